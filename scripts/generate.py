@@ -1,0 +1,77 @@
+"""Generate text with a Llama/Qwen model: `python scripts/generate.py --prompt "Once upon"`.
+
+Streams text to stdout; `--json` prints one final JSON line instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqjax.cli import ArgumentParser, add_model_args, print_json, run_main
+
+
+def parse_args(argv: list[str] | None = None) -> object:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--prompt", "-p", default="Once upon a time,", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help="context size in tokens (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    import tqjax
+    from tqjax.decode.sampling import SamplingParams
+
+    # Validate sampling values before the (slow) model load.
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
+    spec = tqjax.CacheSpec(args.cache_type_k, args.cache_type_v)
+    from tqjax.kv.cache import check_spec
+
+    check_spec(spec)
+    if args.ctx_size is not None and args.ctx_size < 2:
+        raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
+    model = tqjax.load(args.model, dtype=args.dtype, progress=not args.json)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = tqjax.generate(
+        model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop, chat=args.chat,
+        system=args.system, ctx_size=args.ctx_size, cache=spec,
+        on_text=None if args.json else stream)
+    if args.json:
+        print_json({
+            "text": result.text, "token_ids": result.token_ids,
+            "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
+            "finish_reason": result.finish_reason,
+            "prefill_tok_s": round(result.prefill_tok_s, 2),
+            "decode_tok_s": round(result.decode_tok_s, 2),
+            "model": model.source, "dtype": args.dtype,
+            "cache_type_k": spec.k, "cache_type_v": spec.v,
+        })
+    else:
+        sys.stdout.write("\n")
+        print(f"[{result.prompt_tokens} prompt tokens at {result.prefill_tok_s:.1f} tok/s, "
+              f"{result.generated_tokens} generated at {result.decode_tok_s:.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,149 @@
+"""Public API: `load`, `logits`, `generate` (names kept stable for research code and CI)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from tqjax import fetch
+from tqjax.decode.generate import (
+    GenerationResult,
+    full_logits,
+    generate_tokens,
+    new_cache,
+    padded_length,
+)
+from tqjax.decode.sampling import SamplingParams
+from tqjax.errors import TqjaxError
+from tqjax.kv.cache import CacheSpec
+from tqjax.models.config import ModelConfig
+from tqjax.models.loading import load_checkpoint
+from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from tqjax.models.transformer import Params
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: static config, parameter pytree and tokenizer."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Tokenizer
+    source: str
+    dtype: str
+
+
+def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
+    """A registered model name is fetched (and cached); anything else is a local path."""
+    if str(path_or_name) in fetch.MODEL_NAMES:
+        return fetch.fetch_model(str(path_or_name), progress=progress)
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise TqjaxError(f"no such model file or directory: {path} "
+                         f"(or use a model name: {', '.join(fetch.MODEL_NAMES)})")
+    return path
+
+
+def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
+         progress: bool = False) -> Model:
+    """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory or .gguf file."""
+    path = resolve_path(path_or_name, progress)
+    config, params, meta = load_checkpoint(path, dtype, progress)
+    if path.is_dir():
+        tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
+    else:
+        tokenizer = tokenizer_from_gguf(meta)
+    return Model(config, params, tokenizer, str(path), dtype)
+
+
+def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec = CacheSpec()) -> np.ndarray:
+    """Full-sequence logits, float32 [len(token_ids), vocab] (one causal pass, no sampling)."""
+    n = len(token_ids)
+    if n == 0:
+        raise TqjaxError("empty token sequence")
+    if n > model.config.max_position:
+        raise TqjaxError(f"{n} tokens exceed the model's context of {model.config.max_position}")
+    if max(token_ids) >= model.config.vocab_size or min(token_ids) < 0:
+        raise TqjaxError(f"token id out of range [0, {model.config.vocab_size})")
+    size = padded_length(n)
+    tokens = np.zeros((1, size), np.int32)
+    tokens[0, :n] = token_ids
+    kv = new_cache(model.config, cache, 1, size)
+    out, _ = full_logits(model.params, model.config, jnp.asarray(tokens),
+                         jnp.zeros(1, jnp.int32), kv)
+    return np.asarray(out[0, :n])
+
+
+def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
+                  system: str | None = None) -> list[int]:
+    """Token ids for a prompt (ids pass through); `chat` applies the chat template."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}]
+        text = model.tokenizer.apply_chat_template(messages)
+        return model.tokenizer.encode(text, add_bos=False)
+    return model.tokenizer.encode(prompt)
+
+
+class _TextStream:
+    """Incremental detokenization that holds back partial UTF-8 and possible stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer, self.stop, self.emitted = tokenizer, stop, 0
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def final_text(self, ids: list[int]) -> tuple[str, bool]:
+        text = self.tokenizer.decode(ids)
+        cut = [text.find(s) for s in self.stop if s in text]
+        return (text[: min(cut)], True) if cut else (text, False)
+
+    def piece(self, ids: list[int], done: bool) -> str:
+        text, stopped = self.final_text(ids)
+        if not (done or stopped):
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[: max(self.emitted, len(text) - self.holdback)]
+        out, self.emitted = text[self.emitted:], max(self.emitted, len(text))
+        return out
+
+
+def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
+             stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
+             ctx_size: int | None = None, cache: CacheSpec = CacheSpec(),
+             on_text: Callable[[str], None] | None = None
+             ) -> GenerationResult | list[GenerationResult]:
+    """Generate a continuation; a list of strings is run as one batch (one result each).
+
+    Greedy when temperature is 0. `on_text` receives streamed text pieces (single prompt).
+    """
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
+    prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]
+    ctx = min(ctx_size or model.config.max_position, model.config.max_position)
+    streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
+    stop_fn = (lambda b, ids: streams[b].final_text(ids)[1]) if stop else None
+    seqs, prefill_s, decode_s = [], 0.0, 0.0
+    for seqs, prefill_s, decode_s in generate_tokens(
+            model.params, model.config, prompts, max_new_tokens=max_new_tokens,
+            sampling=sampling, eos_ids=model.tokenizer.eos_ids, ctx_size=ctx,
+            cache_spec=cache, stop=stop_fn):
+        if on_text is not None and not batched:
+            ids = [i for i in seqs[0].ids if i not in model.tokenizer.eos_ids]
+            piece = streams[0].piece(ids, seqs[0].done is not None)
+            if piece:
+                on_text(piece)
+    results = []
+    for s, st, p in zip(seqs, streams, prompts, strict=True):
+        ids = [i for i in s.ids if i not in model.tokenizer.eos_ids]
+        text, _ = st.final_text(ids)
+        results.append(GenerationResult(text, s.ids, len(p), len(s.ids), s.done or "length",
+                                        prefill_s, decode_s))
+    return results if batched else results[0]

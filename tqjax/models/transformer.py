@@ -1,0 +1,108 @@
+"""The decoder-only transformer shared by Llama (2/3/3.1, SmolLM) and Qwen (2/2.5/3).
+
+Differences are config flags: Qwen2 adds biases to the Q/K/V projections, Qwen3 RMS-normalises
+each query and key head before RoPE. Linear weights are stored `[in, out]` (x @ w) and may be
+dense arrays or quantized weights from `tqjax.quant.weights`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from tqjax.kv import cache as kvc
+from tqjax.kv.rope import apply_rope, rope_cos_sin
+from tqjax.models.config import ModelConfig
+from tqjax.quant import weights as qw
+
+Weight = Any  # jax.Array [in, out] or a quantized weight pytree (tqjax.quant.weights)
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [D]
+    wq: Weight  # [D, H*hd]
+    wk: Weight  # [D, KV*hd]
+    wv: Weight  # [D, KV*hd]
+    wo: Weight  # [H*hd, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate: Weight  # [D, F]
+    w_up: Weight  # [D, F]
+    w_down: Weight  # [F, D]
+    bq: jax.Array | None = None  # [H*hd]   (qwen2)
+    bk: jax.Array | None = None  # [KV*hd]  (qwen2)
+    bv: jax.Array | None = None  # [KV*hd]  (qwen2)
+    q_norm: jax.Array | None = None  # [hd]  (qwen3)
+    k_norm: jax.Array | None = None  # [hd]  (qwen3)
+
+
+@struct.dataclass
+class Params:
+    embed: jax.Array  # [V, D]
+    layers: list[LayerParams]
+    final_norm: jax.Array  # [D]
+    lm_head: Weight | None  # [D, V]; None when tied to `embed`
+    rope_inv_freq: jax.Array  # [hd/2] f32
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] normalised in f32, returned in x's dtype (HF convention)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def attention_block(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
+                    sin: jax.Array, start: jax.Array,
+                    layer_cache: kvc.LayerCache) -> tuple[jax.Array, kvc.LayerCache]:
+    """x [B, T, D] (already normed) -> attention output [B, T, D] and the updated cache."""
+    b, t, _ = x.shape
+    hd = config.head_dim
+    q, k, v = qw.linear(x, lp.wq), qw.linear(x, lp.wk), qw.linear(x, lp.wv)
+    if config.qkv_bias:
+        q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
+    q = q.reshape(b, t, config.num_heads, hd)
+    k = k.reshape(b, t, config.num_kv_heads, hd)
+    v = v.reshape(b, t, config.num_kv_heads, hd)
+    if config.qk_norm:
+        q, k = rms_norm(q, lp.q_norm, config.rms_eps), rms_norm(k, lp.k_norm, config.rms_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out, layer_cache = kvc.attend(layer_cache, q, k, v, start)
+    return qw.linear(out.reshape(b, t, -1), lp.wo), layer_cache
+
+
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
+            cache: kvc.KVCache,
+            out_index: jax.Array | None = None) -> tuple[jax.Array, kvc.KVCache]:
+    """Run a chunk of tokens through the model, reading and extending the KV cache.
+
+    tokens int32 [B, T]; start int32 [B]: position of tokens[:, 0] per sequence (prefill: 0,
+    decode: the current length). Returns f32 logits [B, T, V], or [B, V] taken at
+    `out_index` int32 [B] when given, and the updated cache.
+    """
+    dtype = params.embed.dtype
+    x = params.embed[tokens].astype(dtype)
+    positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    cos, sin = rope_cos_sin(positions, params.rope_inv_freq)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+    new_layers = []
+    for lp, layer_cache in zip(params.layers, cache.layers, strict=True):
+        h, layer_cache = attention_block(lp, config, rms_norm(x, lp.attn_norm, config.rms_eps),
+                                         cos, sin, start, layer_cache)
+        x = x + h
+        hn = rms_norm(x, lp.mlp_norm, config.rms_eps)
+        gated = jax.nn.silu(qw.linear(hn, lp.w_gate)) * qw.linear(hn, lp.w_up)
+        x = x + qw.linear(gated, lp.w_down)
+        new_layers.append(layer_cache)
+    if out_index is not None:
+        x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
+    x = rms_norm(x, params.final_norm, config.rms_eps)
+    if params.lm_head is None:
+        logits = jnp.einsum("...d,vd->...v", x, params.embed.astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = qw.linear(x, params.lm_head).astype(jnp.float32)
+    return logits, kvc.KVCache(new_layers)
