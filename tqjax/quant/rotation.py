@@ -1,0 +1,87 @@
+"""Seeded random rotations Π of R^d, applied along the last axis.
+
+Π = T·D: D = diag(signs), random ±1 signs from `np.random.default_rng(seed)`, then T = H/√d, the
+normalised Walsh–Hadamard matrix, when d is a power of two (applied by a fast transform, O(d log d),
+no d×d matrix). Other d fall back to T = a dense Haar-random orthogonal matrix (QR of a seeded
+Gaussian with the signs of R's diagonal folded into Q), drawn from the same generator after the
+signs. Either way Π is exactly orthogonal: unrotate(rotate(x)) == x up to float rounding.
+"""
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tqjax.errors import TqjaxError
+
+MAX_DIM = 65536
+
+
+@flax.struct.dataclass
+class Rotation:
+    """A rotation Π = T·diag(signs) of R^dim; T = H/√dim when `matrix` is None."""
+
+    signs: jax.Array  # [d] float32 ±1
+    matrix: jax.Array | None  # [d, d] float32 orthogonal T, only for non-power-of-two d
+
+    @property
+    def dim(self) -> int:
+        return self.signs.shape[-1]
+
+
+def make_rotation(dim: int, seed: int) -> Rotation:
+    """The rotation of R^dim for `seed` (deterministic). dim: 2..65536; a power of two gets the
+    randomized Hadamard transform, anything else a dense random orthogonal matrix."""
+    if not isinstance(dim, int) or not 2 <= dim <= MAX_DIM:
+        raise TqjaxError(f"rotation dimension must be an integer in 2..{MAX_DIM}, got {dim!r}")
+    rng = np.random.default_rng(seed)
+    signs = rng.integers(0, 2, size=dim) * 2.0 - 1.0
+    matrix = None
+    if dim & (dim - 1):
+        q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+        matrix = jnp.asarray(q * np.sign(np.diag(r)), dtype=jnp.float32)
+    return Rotation(signs=jnp.asarray(signs, dtype=jnp.float32), matrix=matrix)
+
+
+def hadamard_transform(x: jax.Array) -> jax.Array:
+    """Normalised fast Walsh–Hadamard transform H·x/√d along the last axis.
+
+    x: [..., d] float, d a power of two. Returns the same shape and dtype. H is symmetric and
+    (H/√d)² = I, so this is its own inverse. log2(d) butterfly stages, each a reshape to
+    [..., blocks, 2, half] and a sum/difference of the two halves.
+    """
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    half = 1
+    while half < d:
+        pairs = x.reshape(*lead, d // (2 * half), 2, half)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        half *= 2
+    return x * jnp.asarray(1.0 / math.sqrt(d), dtype=x.dtype)
+
+
+def _check(x: jax.Array, rot: Rotation) -> None:
+    if x.shape[-1:] != (rot.dim,):
+        raise TqjaxError(f"rotation of dimension {rot.dim} applied to an array of shape {x.shape}")
+
+
+def rotate(x: jax.Array, rot: Rotation) -> jax.Array:
+    """Π·x along the last axis. x: [..., d] any float dtype → [..., d] same dtype."""
+    _check(x, rot)
+    x = x * rot.signs.astype(x.dtype)
+    if rot.matrix is None:
+        return hadamard_transform(x)
+    return jnp.matmul(x, rot.matrix.astype(x.dtype).T, precision=jax.lax.Precision.HIGHEST)
+
+
+def unrotate(y: jax.Array, rot: Rotation) -> jax.Array:
+    """Πᵀ·y along the last axis (the inverse of `rotate`). y: [..., d] float → same shape, dtype."""
+    _check(y, rot)
+    if rot.matrix is None:
+        y = hadamard_transform(y)
+    else:
+        y = jnp.matmul(y, rot.matrix.astype(y.dtype), precision=jax.lax.Precision.HIGHEST)
+    return y * rot.signs.astype(y.dtype)
