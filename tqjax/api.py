@@ -32,7 +32,7 @@ class Model:
 
     config: ModelConfig
     params: Params
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None for a weights-only directory (logits still work)
     source: str
     dtype: str
 
@@ -53,10 +53,12 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory or .gguf file."""
     path = resolve_path(path_or_name, progress)
     config, params, meta = load_checkpoint(path, dtype, progress)
-    if path.is_dir():
+    if not path.is_dir():
+        tokenizer = tokenizer_from_gguf(meta)
+    elif any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
     else:
-        tokenizer = tokenizer_from_gguf(meta)
+        tokenizer = None
     return Model(config, params, tokenizer, str(path), dtype)
 
 
@@ -83,6 +85,8 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
     """Token ids for a prompt (ids pass through); `chat` applies the chat template."""
     if not isinstance(prompt, str):
         return list(prompt)
+    if model.tokenizer is None:
+        raise TqjaxError(f"{model.source} has no tokenizer; pass token ids instead of text")
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
@@ -125,16 +129,19 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     Greedy when temperature is 0. `on_text` receives streamed text pieces (single prompt).
     """
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    if model.tokenizer is None:
+        raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
     batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
     prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]
     ctx = min(ctx_size or model.config.max_position, model.config.max_position)
     streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
     stop_fn = (lambda b, ids: streams[b].final_text(ids)[1]) if stop else None
     seqs, prefill_s, decode_s = [], 0.0, 0.0
-    for seqs, prefill_s, decode_s in generate_tokens(
+    for progress in generate_tokens(
             model.params, model.config, prompts, max_new_tokens=max_new_tokens,
             sampling=sampling, eos_ids=model.tokenizer.eos_ids, ctx_size=ctx,
             cache_spec=cache, stop=stop_fn):
+        seqs, prefill_s, decode_s = progress
         if on_text is not None and not batched:
             ids = [i for i in seqs[0].ids if i not in model.tokenizer.eos_ids]
             piece = streams[0].piece(ids, seqs[0].done is not None)

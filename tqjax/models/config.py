@@ -103,7 +103,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         names = ", ".join(HF_ARCHITECTURES)
         raise TqjaxError(f"unsupported architecture {archs or cfg.get('model_type')!r} "
                          f"(supported: {names})")
-    if cfg.get("attention_bias") and arch == "llama" or cfg.get("mlp_bias"):
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise TqjaxError(f"unsupported activation {cfg['hidden_act']!r} (only silu)")
+    if (cfg.get("attention_bias") and arch == "llama") or cfg.get("mlp_bias"):
         raise TqjaxError("unsupported Llama variant: attention_bias/mlp_bias are not implemented")
     if cfg.get("use_sliding_window"):
         raise TqjaxError("unsupported: sliding-window attention (use_sliding_window=true)")

