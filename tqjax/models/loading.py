@@ -220,6 +220,6 @@ def load_checkpoint(path: Path, dtype: str = "float32",
     else:
         raise TqjaxError(f"{path} is neither an HF model directory nor a .gguf file")
     tensors = dict(tqdm(stream, total=total, desc=f"loading {path.name}", unit="tensor",
-                        disable=not progress, leave=False))
+                        disable=None if progress else True, leave=False))
     rope_freqs = tensors.pop("rope_freqs", None)
     return config, build_params(tensors, config, jdtype, rope_freqs), meta

@@ -1,0 +1,113 @@
+"""CLI behaviour: bad input gives one line on stderr and exit code 2; good input works."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import GOLDEN, ROOT
+
+
+def make_byte_tokenizer(path):
+    """A 256-token byte-level BPE tokenizer (no merges) for the tiny vocab-256 models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    return d
+
+
+def run(script, *args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TQJAX_CACHE=os.environ.get("TQJAX_CACHE", ""))
+    if not env["TQJAX_CACHE"]:
+        env.pop("TQJAX_CACHE")
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def assert_user_error(proc, needle):
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert needle in lines[0].lower(), lines[0]
+
+
+def test_generate_json(tiny_model):
+    proc = run("generate.py", "--model", tiny_model, "--prompt", "hello", "-n", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "prompt_tokens", "generated_tokens", "prefill_tok_s",
+                "decode_tok_s"):
+        assert key in out
+    assert out["prompt_tokens"] == 5 and out["generated_tokens"] == 5
+    assert len(out["token_ids"]) == 5
+
+
+def test_missing_model_file(tmp_path):
+    assert_user_error(run("generate.py", "--model", tmp_path / "nope.gguf"), "no such")
+
+
+def test_truncated_safetensors(tiny_model, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model, d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_user_error(run("generate.py", "--model", d, "--prompt", "hi"), "truncated")
+
+
+def test_truncated_gguf(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    assert_user_error(run("generate.py", "--model", path, "--prompt", "hi"), "gguf")
+
+
+def test_unsupported_architecture(tiny_model, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_user_error(run("generate.py", "--model", d, "--prompt", "hi"),
+                      "unsupported architecture")
+
+
+def test_prompt_longer_than_context(tiny_model):
+    proc = run("generate.py", "--model", tiny_model, "--prompt", "x" * 40, "--ctx-size", "16")
+    assert_user_error(proc, "longer than the context")
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--temperature", "-1", "temperature"),
+    ("--top-p", "0", "top-p"),
+    ("--top-p", "1.5", "top-p"),
+    ("--cache-type-k", "turbo9", "cache type"),
+])
+def test_invalid_sampling_values(flag, value, needle):
+    # checked before any model is loaded, so no model is needed
+    assert_user_error(run("generate.py", "--model", "/nonexistent", flag, value), needle)
