@@ -6,6 +6,8 @@ So for bits in {1, 2, 4, 8} a byte holds 8/bits codes, code i in the lowest bits
 bits = 3, each group of 8 codes fills 3 bytes. Any bits in 1..8 works the same way.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,7 @@ def _bit_weights(count: int) -> jax.Array:
     return jnp.left_shift(jnp.uint8(1), jnp.arange(count, dtype=jnp.uint8))
 
 
+@functools.partial(jax.jit, static_argnames=("bits",))
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     """Pack codes uint8 [..., n] (each < 2^bits) into uint8 [..., n·bits/8].
 
@@ -38,6 +41,7 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     return jnp.sum(stream * _bit_weights(8), axis=-1, dtype=jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "n"))
 def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     """Inverse of `pack_bits`: packed uint8 [..., n·bits/8] → codes uint8 [..., n]."""
     if packed.dtype != jnp.uint8:

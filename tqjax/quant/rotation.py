@@ -68,6 +68,7 @@ def _check(x: jax.Array, rot: Rotation) -> None:
         raise TqjaxError(f"rotation of dimension {rot.dim} applied to an array of shape {x.shape}")
 
 
+@jax.jit
 def rotate(x: jax.Array, rot: Rotation) -> jax.Array:
     """Π·x along the last axis. x: [..., d] any float dtype → [..., d] same dtype."""
     _check(x, rot)
@@ -77,6 +78,7 @@ def rotate(x: jax.Array, rot: Rotation) -> jax.Array:
     return jnp.matmul(x, rot.matrix.astype(x.dtype).T, precision=jax.lax.Precision.HIGHEST)
 
 
+@jax.jit
 def unrotate(y: jax.Array, rot: Rotation) -> jax.Array:
     """Πᵀ·y along the last axis (the inverse of `rotate`). y: [..., d] float → same shape, dtype."""
     _check(y, rot)

@@ -139,6 +139,7 @@ def _centroids(q: TurboQuantizer, codes: jax.Array) -> jax.Array:
     return jnp.concatenate(parts, axis=-1)
 
 
+@jax.jit
 def quantize(q: TurboQuantizer, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Quantize x [..., dim] (any float dtype) → (codes uint8 [..., dim], scale float32 [...]).
 
@@ -162,17 +163,20 @@ def quantize(q: TurboQuantizer, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return codes, norm / math.sqrt(q.dim)
 
 
+@jax.jit
 def dequantize_rotated(q: TurboQuantizer, codes: jax.Array, scale: jax.Array) -> jax.Array:
     """Reconstruction in the rotated space, scale·c: codes uint8 [..., dim], scale [...] →
     float32 [..., dim]. Score a rotated query (rotate(q_vec, q.rotation)) against this directly."""
     return scale[..., None].astype(jnp.float32) * _centroids(q, codes)
 
 
+@jax.jit
 def dequantize(q: TurboQuantizer, codes: jax.Array, scale: jax.Array) -> jax.Array:
     """Reconstruction in the original space, Πᵀ(scale·c): float32 [..., dim]."""
     return unrotate(dequantize_rotated(q, codes, scale), q.rotation)
 
 
+@jax.jit
 def quantize_prod(
     pq: ProdQuantizer, x: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -184,6 +188,7 @@ def quantize_prod(
     return codes, scale, (projected >= 0).astype(jnp.uint8), jnp.linalg.norm(residual, axis=-1)
 
 
+@jax.jit
 def dequantize_prod(
     pq: ProdQuantizer, codes: jax.Array, scale: jax.Array, signs: jax.Array, rnorm: jax.Array
 ) -> jax.Array:
@@ -194,6 +199,7 @@ def dequantize_prod(
     return dequantize(pq.mse, codes, scale) + gain[..., None] * qjl
 
 
+@jax.jit
 def reconstruct(q: TurboQuantizer | ProdQuantizer, x: jax.Array) -> jax.Array:
     """Quantize then dequantize x [..., dim] (original space) → float32 [..., dim]."""
     if isinstance(q, ProdQuantizer):
