@@ -1,0 +1,355 @@
+"""The shared TurboQuant core: rotations, Lloyd–Max codebooks, packing, quantizers."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tqjax.errors import TqjaxError
+from tqjax.quant import (
+    TurboQuantizer,
+    bits_per_value,
+    coordinate_density,
+    dequantize,
+    dequantize_prod,
+    dequantize_rotated,
+    distortion,
+    hadamard_transform,
+    lloyd_max,
+    make_prod_quantizer,
+    make_quantizer,
+    make_rotation,
+    make_split_quantizer,
+    pack_bits,
+    packed_size,
+    quantize,
+    quantize_prod,
+    reconstruct,
+    rotate,
+    unpack_bits,
+    unrotate,
+)
+
+PAPER_D_MSE = {1: 0.36, 2: 0.117, 3: 0.030, 4: 0.009}
+FAST = settings(max_examples=15, deadline=None)
+
+
+def _unit(n: int, d: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d))
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+# --- rotation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_rotation_is_orthogonal_and_inverted(d):
+    rot = make_rotation(d, seed=3)
+    matrix = np.asarray(rotate(jnp.eye(d), rot))  # row i = Π e_i
+    chex.assert_trees_all_close(matrix @ matrix.T, np.eye(d), atol=1e-5)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, d)), jnp.float32)
+    y = jax.jit(rotate)(x, rot)
+    chex.assert_shape(y, x.shape)
+    chex.assert_trees_all_close(unrotate(y, rot), x, atol=1e-5)
+    chex.assert_trees_all_close(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+    assert (rot.matrix is None) == (d & (d - 1) == 0)
+    assert rot.dim == d
+
+
+def test_rotation_is_randomized_hadamard():
+    d = 16
+    h = np.array([[1.0]])
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    rot = make_rotation(d, seed=5)
+    x = np.random.default_rng(1).standard_normal((3, d)).astype(np.float32)
+    expected = (x * np.asarray(rot.signs)) @ h.T / math.sqrt(d)
+    chex.assert_trees_all_close(rotate(jnp.asarray(x), rot), expected, atol=1e-5)
+    twice = hadamard_transform(hadamard_transform(jnp.asarray(x)))
+    chex.assert_trees_all_close(twice, x, atol=1e-5)
+    assert set(np.unique(np.asarray(rot.signs))) == {-1.0, 1.0}
+
+
+@pytest.mark.parametrize("d", [64, 96])
+def test_rotation_determinism_and_dtype(d):
+    chex.assert_trees_all_equal(make_rotation(d, 11), make_rotation(d, 11))
+    assert not np.array_equal(make_rotation(d, 11).signs, make_rotation(d, 12).signs)
+    x = jnp.ones((4, d), jnp.bfloat16)
+    assert rotate(x, make_rotation(d, 0)).dtype == jnp.bfloat16
+    assert unrotate(x, make_rotation(d, 0)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dim", [1, 0, 65537, 4.0])
+def test_rotation_bad_dim(dim):
+    with pytest.raises(TqjaxError):
+        make_rotation(dim, 0)
+
+
+def test_rotation_shape_mismatch():
+    with pytest.raises(TqjaxError):
+        rotate(jnp.ones((3, 32)), make_rotation(64, 0))
+
+
+# --- codebooks ------------------------------------------------------------------------------
+
+GAUSSIAN_POSITIVE = {
+    1: [0.7979],
+    2: [0.4528, 1.5104],
+    3: [0.2451, 0.7560, 1.3439, 2.1519],
+}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_gaussian_lloyd_max_values(bits):
+    book = lloyd_max(bits)
+    positive = book.centroids[1 << (bits - 1) :]
+    np.testing.assert_allclose(positive, GAUSSIAN_POSITIVE[bits], atol=5e-5)
+    np.testing.assert_allclose(book.centroids, -book.centroids[::-1], atol=1e-12)
+    np.testing.assert_allclose(book.boundaries, (book.centroids[1:] + book.centroids[:-1]) / 2)
+
+
+def test_gaussian_lloyd_max_exact():
+    assert round(lloyd_max(4).centroids[-1], 4) == 2.7326
+    assert lloyd_max(1).centroids[1] == pytest.approx(math.sqrt(2 / math.pi), abs=1e-7)
+    assert lloyd_max(1).mse == pytest.approx(1 - 2 / math.pi, abs=1e-7)
+    assert np.all(np.diff(lloyd_max(8).centroids) > 0)
+
+
+def test_uniform_density_codebook():
+    # dim 3: a coordinate of a random unit vector is uniform on [-1, 1] (Archimedes).
+    book = lloyd_max(2, 3)
+    np.testing.assert_allclose(book.centroids, [-0.75, -0.25, 0.25, 0.75], atol=1e-7)
+    assert book.mse == pytest.approx(0.5**2 / 12, rel=1e-6)
+
+
+@pytest.mark.parametrize("dim", [2, 3, 64, 128, None])
+def test_coordinate_density_normalised(dim):
+    t = np.linspace(-1, 1, 400_001) if dim else np.linspace(-12, 12, 400_001)
+    dens = coordinate_density(t, dim)
+    assert np.trapezoid(np.where(np.isfinite(dens), dens, 0.0), t) == pytest.approx(1, abs=3e-3)
+    assert dens[0] >= 0 and coordinate_density(np.array([1.5]), 64)[0] == 0
+
+
+def test_codebook_tends_to_gaussian():
+    wide = lloyd_max(3, 65536)
+    np.testing.assert_allclose(wide.centroids * 256, lloyd_max(3).centroids, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [0, 9, 2.0])
+def test_codebook_bad_bits(bits):
+    with pytest.raises(TqjaxError):
+        lloyd_max(bits, 64)
+
+
+# --- packing --------------------------------------------------------------------------------
+
+
+@FAST
+@given(
+    bits=st.sampled_from([1, 2, 3, 4, 8]),
+    groups=st.integers(1, 4),
+    lead=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_round_trip(bits, groups, lead, seed):
+    n = groups * 8
+    codes = np.random.default_rng(seed).integers(0, 1 << bits, (lead, n)).astype(np.uint8)
+    packed = pack_bits(jnp.asarray(codes), bits)
+    chex.assert_shape(packed, (lead, packed_size(n, bits)))
+    chex.assert_type(packed, jnp.uint8)
+    np.testing.assert_array_equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_layout_little_endian():
+    # 3 bits: codes 1..7,0 → stream bits (LSB first) 100 010 110 001 101 011 111 000
+    packed = pack_bits(jnp.array([1, 2, 3, 4, 5, 6, 7, 0], jnp.uint8), 3)
+    np.testing.assert_array_equal(packed, [0b11010001, 0b01011000, 0b00011111])
+    np.testing.assert_array_equal(pack_bits(jnp.array([1, 2, 3, 0], jnp.uint8), 2), [0b00111001])
+    np.testing.assert_array_equal(pack_bits(jnp.array([0xA, 0x5], jnp.uint8), 4), [0x5A])
+    jitted = jax.jit(pack_bits, static_argnums=1)(jnp.zeros((2, 16), jnp.uint8), 3)
+    chex.assert_shape(jitted, (2, 6))
+
+
+def test_pack_bad_inputs():
+    with pytest.raises(TqjaxError):
+        pack_bits(jnp.zeros((5,), jnp.uint8), 3)
+    with pytest.raises(TqjaxError):
+        pack_bits(jnp.zeros((8,), jnp.int32), 2)
+    with pytest.raises(TqjaxError):
+        unpack_bits(jnp.zeros((4,), jnp.uint8), 3, 16)
+    with pytest.raises(TqjaxError):
+        packed_size(8, 9)
+
+
+# --- TurboQuant_mse -------------------------------------------------------------------------
+# Each distinct quantizer config costs an XLA compile (~0.3 s on CPU), so the tests evaluate several
+# quantizers inside one jitted function where they can.
+
+
+@jax.jit
+def _relative_mse(quantizers: list, x: jax.Array) -> list:
+    return [
+        jnp.mean(jnp.sum((reconstruct(q, x) - x) ** 2, -1) / jnp.sum(x * x, -1)) for q in quantizers
+    ]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_mse_distortion_matches_codebook_and_paper(d):
+    quantizers = [make_quantizer(d, b, seed=1, norm_correction=False) for b in (1, 2, 3, 4)]
+    measured = _relative_mse(quantizers, jnp.asarray(_unit(4000, d, seed=d)))
+    for bits, mse in zip((1, 2, 3, 4), measured, strict=True):
+        predicted = d * lloyd_max(bits, d).mse
+        assert float(mse) == pytest.approx(predicted, rel=0.05), bits
+        assert predicted == pytest.approx(PAPER_D_MSE[bits], rel=0.15), bits
+        assert 4.0**-bits < float(mse) < math.sqrt(3) * math.pi / 2 * 4.0**-bits
+
+
+@jax.jit
+def _round_trip(q: TurboQuantizer, x: jax.Array) -> tuple:
+    codes, scale = quantize(q, x)
+    return codes, scale, dequantize(q, codes, scale)
+
+
+@pytest.mark.parametrize(("d", "bits"), [(64, 1), (96, 3)])
+@FAST
+@given(log_scale=st.floats(-3, 3), seed=st.integers(0, 100))
+def test_reconstruction_keeps_norm(d, bits, log_scale, seed):
+    q = make_quantizer(d, bits, seed=seed)
+    x = jnp.asarray(_unit(6, d, seed) * 10.0**log_scale).reshape(2, 3, d)
+    codes, scale, x_hat = _round_trip(q, x)
+    chex.assert_shape(codes, (2, 3, d))
+    chex.assert_shape(scale, (2, 3))
+    chex.assert_type([codes, scale, x_hat], [jnp.uint8, jnp.float32, jnp.float32])
+    assert int(codes.max()) < 1 << bits
+    chex.assert_trees_all_close(
+        jnp.linalg.norm(x_hat, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=2e-5
+    )
+
+
+def test_zero_vector():
+    x = jnp.zeros((2, 64)).at[1].set(1.0)
+    _, scale, x_hat = _round_trip(make_quantizer(64, 1), x)
+    assert float(scale[0]) == 0.0
+    chex.assert_tree_all_finite(x_hat)
+    chex.assert_trees_all_equal(x_hat[0], jnp.zeros(64))
+    chex.assert_tree_all_finite(reconstruct(make_prod_quantizer(64, 3), x))
+
+
+def test_under_vmap_and_in_rotated_space():
+    q = make_split_quantizer(128, 2, 64, seed=4)
+    x = jnp.asarray(_unit(8, 128, 0)) * 3.0
+    codes, scale = quantize(q, x)
+    vmapped_codes, vmapped_scale = jax.vmap(quantize, in_axes=(None, 0))(q, x)
+    chex.assert_trees_all_equal(codes, vmapped_codes)
+    chex.assert_trees_all_close(scale, vmapped_scale, rtol=1e-6)
+    y = _unit(8, 128, 1)
+    rotated = np.asarray(rotate(jnp.asarray(y), q.rotation)) * dequantize_rotated(q, codes, scale)
+    scores = y * np.asarray(dequantize(q, codes, scale))
+    np.testing.assert_allclose(rotated.sum(-1), scores.sum(-1), atol=1e-5)
+    codes = np.asarray(codes)
+    assert codes[:, :64].max() < 8 and codes[:, 64:].max() < 4
+
+
+def test_split_quantizer_between_bit_widths():
+    d = 128
+    lo, split, hi = _relative_mse(
+        [make_quantizer(d, 2), make_split_quantizer(d, 2, 64), make_quantizer(d, 3)],
+        jnp.asarray(_unit(3000, d, seed=7)),
+    )
+    assert hi < split < lo
+    q = make_split_quantizer(d, 2, 64)
+    assert isinstance(q, TurboQuantizer) and q.hi_channels == 64
+
+
+def test_bits_per_value():
+    assert bits_per_value(3, 64) == 3.25
+    assert bits_per_value(2, 128, hi_channels=64, scale_bits=0) == 2.5
+    assert bits_per_value(3, 64, hi_channels=32, scale_bits=0) == 3.5
+    assert bits_per_value(4, 128, scale_bits=32) == 4.25
+    assert bits_per_value(3, 128, prod=True) == 3.25
+
+
+# --- TurboQuant_prod ------------------------------------------------------------------------
+
+
+def _stacked(quantizers: list) -> object:
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *quantizers)
+
+
+@jax.jit
+def _seeded_estimates(stacks: list, x: jax.Array, y: jax.Array) -> list:
+    """⟨y, x̂⟩ for each independently seeded quantizer in each stack (vmapped)."""
+    return [jax.vmap(reconstruct, in_axes=(0, None))(qs, x) @ y for qs in stacks]
+
+
+def test_prod_unbiased_and_mse_shrinks():
+    d, trials = 64, 300
+    x = _unit(1, d, seed=0)[0]
+    orth = _unit(1, d, seed=1)[0]
+    orth -= (orth @ x) * x
+    y = 0.6 * x + 0.8 * orth / np.linalg.norm(orth)
+    true = float(y @ x)
+    seeds = range(trials)
+    prod, plain, corrected = (
+        np.asarray(e)
+        for e in _seeded_estimates(
+            [
+                _stacked([make_prod_quantizer(d, 2, seed=s) for s in seeds]),
+                _stacked([make_quantizer(d, 1, seed=s, norm_correction=False) for s in seeds]),
+                _stacked([make_quantizer(d, 1, seed=s) for s in seeds]),
+            ],
+            jnp.asarray(x),
+            jnp.asarray(y),
+        )
+    )
+    assert abs(prod.mean() - true) < 4 * prod.std() / math.sqrt(trials)
+    assert prod.std() > 0.02  # the estimate is random: unbiasedness is over the seeds
+    assert plain.mean() / true == pytest.approx(2 / math.pi, abs=0.03)
+    assert corrected.mean() / true == pytest.approx(math.sqrt(2 / math.pi), abs=0.03)
+
+
+def test_prod_shapes_and_inner_products():
+    d = 128
+    pq = make_prod_quantizer(d, 3, seed=2)
+    assert pq.bits == 3 and pq.mse.bits == 2 and pq.dim == d
+    x = jnp.asarray(_unit(4, d, 3)).reshape(2, 2, d)
+    codes, scale, signs, rnorm = quantize_prod(pq, x)
+    chex.assert_shape([codes, signs], (2, 2, d))
+    chex.assert_shape([scale, rnorm], (2, 2))
+    chex.assert_type([codes, signs, scale, rnorm], [jnp.uint8, jnp.uint8, jnp.float32, jnp.float32])
+    assert set(np.unique(np.asarray(signs))) <= {0, 1}
+    x_hat = jax.eval_shape(dequantize_prod, pq, codes, scale, signs, rnorm)
+    assert x_hat.shape == (2, 2, d) and x_hat.dtype == jnp.float32
+    stats = distortion(pq, _unit(3000, d, 5))
+    assert stats["ip_slope"] == pytest.approx(1.0, abs=0.05)
+    assert d * stats["ip_rmse"] ** 2 == pytest.approx(0.18, rel=0.2)  # paper: D_prod ≈ 0.18/d
+    assert abs(stats["ip_bias"]) < 0.01
+
+
+# --- bad inputs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_quantizer(64, 0),
+        lambda: make_quantizer(64, 9),
+        lambda: make_quantizer(1, 2),
+        lambda: make_split_quantizer(64, 2, 64),
+        lambda: make_split_quantizer(64, 8, 8),
+        lambda: make_split_quantizer(64, 2, -1),
+        lambda: make_prod_quantizer(64, 1),
+        lambda: quantize(make_quantizer(64, 2), jnp.ones((3, 32))),
+        lambda: quantize(make_quantizer(64, 2), jnp.ones((3, 64), jnp.int32)),
+        lambda: dequantize(make_quantizer(64, 2), jnp.zeros((3, 32), jnp.uint8), jnp.ones(3)),
+        lambda: distortion(make_quantizer(64, 2), jnp.ones((3, 32))),
+    ],
+)
+def test_bad_inputs_raise(make):
+    with pytest.raises(TqjaxError):
+        make()
