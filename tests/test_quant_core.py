@@ -93,6 +93,8 @@ def test_rotation_bad_dim(dim):
 def test_rotation_shape_mismatch():
     with pytest.raises(TqjaxError):
         rotate(jnp.ones((3, 32)), make_rotation(64, 0))
+    with pytest.raises(TqjaxError):
+        hadamard_transform(jnp.ones((3, 96)))
 
 
 # --- codebooks ------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ def make_rotation(dim: int, seed: int) -> Rotation:
     return Rotation(signs=jnp.asarray(signs, dtype=jnp.float32), matrix=matrix)
 
 
+@jax.jit
 def hadamard_transform(x: jax.Array) -> jax.Array:
     """Normalised fast Walsh–Hadamard transform H·x/√d along the last axis.
 
@@ -53,6 +54,8 @@ def hadamard_transform(x: jax.Array) -> jax.Array:
     [..., blocks, 2, half] and a sum/difference of the two halves.
     """
     d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise TqjaxError(f"the Walsh–Hadamard transform needs a power-of-two last axis, got {d}")
     lead = x.shape[:-1]
     half = 1
     while half < d:
