@@ -42,7 +42,7 @@ def test_prefill_then_token_by_token_decode(case):
     ids, want = ref["input_ids"], ref["logits"]
     b, t = ids.shape
     split = 5
-    cache = new_cache(model.config, tqjax.CacheSpec(), b, t)
+    cache = new_cache(model.params, model.config, tqjax.CacheSpec(), b, t)
     logits, cache = forward(model.params, model.config, jnp.asarray(ids[:, :split]),
                             jnp.zeros(b, jnp.int32), cache)
     got = [np.asarray(logits)]
@@ -60,7 +60,7 @@ def test_ragged_batch_matches_unbatched(case):
     lengths = [ids.shape[1], 9]
     tokens = ids.copy()
     tokens[1, lengths[1]:] = 0  # padding
-    cache = new_cache(model.config, tqjax.CacheSpec(), 2, ids.shape[1] + 4)
+    cache = new_cache(model.params, model.config, tqjax.CacheSpec(), 2, ids.shape[1] + 4)
     logits, cache = forward(model.params, model.config, jnp.asarray(tokens),
                             jnp.zeros(2, jnp.int32), cache)
     np.testing.assert_allclose(np.asarray(logits)[1, :9], want[1, :9], atol=TOL, rtol=0)

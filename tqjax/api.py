@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax import fetch
+from tqjax.decode.calibrate import calibration_text, key_centers
 from tqjax.decode.generate import (
     GenerationResult,
     full_logits,
@@ -35,6 +36,19 @@ class Model:
     tokenizer: Tokenizer | None  # None for a weights-only directory (logits still work)
     source: str
     dtype: str
+    _key_centers: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    def key_centers(self, spec: CacheSpec) -> np.ndarray | None:
+        """Calibrated pre-RoPE key centres [L, KV, hd] when `spec` centres keys (memoized)."""
+        if not spec.needs_calibration:
+            return None
+        if self._key_centers is None:
+            if self.tokenizer is None:
+                raise TqjaxError("centred turbo keys need a tokenizer for calibration; "
+                                 "pass CacheSpec(center_keys=False)")
+            ids = self.tokenizer.encode(calibration_text(), add_bos=False)
+            self._key_centers = key_centers(self.params, self.config, ids)
+        return self._key_centers
 
 
 def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
@@ -74,7 +88,7 @@ def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec = CacheSpec(
     size = padded_length(n)
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :n] = token_ids
-    kv = new_cache(model.config, cache, 1, size)
+    kv = new_cache(model.params, model.config, cache, 1, size, model.key_centers(cache))
     out, _ = full_logits(model.params, model.config, jnp.asarray(tokens),
                          jnp.zeros(1, jnp.int32), kv)
     return np.asarray(out[0, :n])
@@ -140,7 +154,7 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     for progress in generate_tokens(
             model.params, model.config, prompts, max_new_tokens=max_new_tokens,
             sampling=sampling, eos_ids=model.tokenizer.eos_ids, ctx_size=ctx,
-            cache_spec=cache, stop=stop_fn):
+            cache_spec=cache, key_centers=model.key_centers(cache), stop=stop_fn):
         seqs, prefill_s, decode_s = progress
         if on_text is not None and not batched:
             ids = [i for i in seqs[0].ids if i not in model.tokenizer.eos_ids]

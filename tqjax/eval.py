@@ -46,6 +46,51 @@ def _compare(ref_logp: jax.Array, logp: jax.Array) -> tuple[jax.Array, jax.Array
     return jnp.sum(kl), jnp.sum(agree)
 
 
+Run = tuple[Model, CacheSpec]
+
+
+def _check_windows(model: Model, n_ids: int, ctx: int) -> int:
+    if ctx < 2:
+        raise TqjaxError(f"ctx must be >= 2, got {ctx}")
+    if ctx > model.config.max_position:
+        raise TqjaxError(f"ctx {ctx} exceeds the model's context {model.config.max_position}")
+    if n_ids < ctx:
+        raise TqjaxError(f"need at least {ctx} tokens for one window, got {n_ids}")
+    return n_ids // ctx
+
+
+def sweep(ids: list[int] | np.ndarray, ctx: int, runs: dict[str, Run],
+          reference: str | None = None) -> dict[str, PerplexityResult]:
+    """Perplexity of several (model, cache) runs on the same windows of `ids`.
+
+    With `reference` (a key of `runs`), every run also gets KL(reference || run) and top-1
+    agreement; the reference's log-probs are computed once per window.
+    """
+    ids = np.asarray(ids, np.int32)
+    windows = min(_check_windows(m, len(ids), ctx) for m, _ in runs.values())
+    order = sorted(runs, key=lambda name: name != reference)  # reference first
+    nll = dict.fromkeys(runs, 0.0)
+    kl, agree = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0)
+    for w in range(windows):
+        tokens = jnp.asarray(ids[None, w * ctx:(w + 1) * ctx])
+        ref_logp = None
+        for name in order:
+            model, spec = runs[name]
+            cache = new_cache(model.params, model.config, spec, 1, ctx, model.key_centers(spec))
+            logp, window_nll = window_logprobs(model.params, model.config, tokens, cache)
+            nll[name] += float(jnp.sum(window_nll))
+            if name == reference:
+                ref_logp = logp
+            elif ref_logp is not None:
+                k, a = _compare(ref_logp, logp)
+                kl[name], agree[name] = kl[name] + float(k), agree[name] + int(a)
+    n = windows * (ctx - 1)
+    return {name: PerplexityResult(
+        ppl=float(np.exp(nll[name] / n)), nll=nll[name] / n, tokens=n, windows=windows,
+        kl=kl[name] / n if reference is not None else None,
+        top1=agree[name] / n if reference is not None else None) for name in runs}
+
+
 def perplexity(model: Model, ids: list[int] | np.ndarray, ctx: int,
                cache: CacheSpec = CacheSpec(), reference: CacheSpec | None = None,
                reference_model: Model | None = None) -> PerplexityResult:
@@ -54,29 +99,8 @@ def perplexity(model: Model, ids: list[int] | np.ndarray, ctx: int,
     With `reference` (a cache spec) and/or `reference_model` (e.g. unquantized weights), also
     report KL divergence and top-1 agreement of next-token distributions against it.
     """
-    ids = np.asarray(ids, np.int32)
-    if ctx < 2:
-        raise TqjaxError(f"ctx must be >= 2, got {ctx}")
-    if ctx > model.config.max_position:
-        raise TqjaxError(f"ctx {ctx} exceeds the model's context {model.config.max_position}")
-    windows = len(ids) // ctx
-    if windows == 0:
-        raise TqjaxError(f"need at least {ctx} tokens for one window, got {len(ids)}")
-    compare = reference is not None or reference_model is not None
-    ref_model = reference_model or model
-    ref_spec = reference or CacheSpec()
-    nll_sum, kl_sum, agree_sum = 0.0, 0.0, 0
-    for w in range(windows):
-        tokens = jnp.asarray(ids[None, w * ctx:(w + 1) * ctx])
-        logp, nll = window_logprobs(model.params, model.config, tokens,
-                                    new_cache(model.config, cache, 1, ctx))
-        nll_sum += float(jnp.sum(nll))
-        if compare:
-            ref_logp, _ = window_logprobs(ref_model.params, ref_model.config, tokens,
-                                          new_cache(ref_model.config, ref_spec, 1, ctx))
-            kl, agree = _compare(ref_logp, logp)
-            kl_sum, agree_sum = kl_sum + float(kl), agree_sum + int(agree)
-    n = windows * (ctx - 1)
-    return PerplexityResult(
-        ppl=float(np.exp(nll_sum / n)), nll=nll_sum / n, tokens=n, windows=windows,
-        kl=kl_sum / n if compare else None, top1=agree_sum / n if compare else None)
+    runs: dict[str, Run] = {"run": (model, cache)}
+    if reference is not None or reference_model is not None:
+        runs["reference"] = (reference_model or model, reference or CacheSpec())
+        return sweep(ids, ctx, runs, reference="reference")["run"]
+    return sweep(ids, ctx, runs)["run"]

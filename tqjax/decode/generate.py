@@ -29,9 +29,12 @@ def padded_length(n: int, multiple: int = PAD_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
 
-def new_cache(config: ModelConfig, spec: CacheSpec, batch: int, slots: int) -> KVCache:
+def new_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, slots: int,
+              key_centers: np.ndarray | None = None) -> KVCache:
+    """An empty cache; key_centers [L, KV, hd] from `calibrate.key_centers` for centred keys."""
     return make_cache(spec, batch=batch, slots=slots, num_layers=config.num_layers,
-                      kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+                      kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                      key_centers=key_centers, inv_freq=np.asarray(params.rope_inv_freq))
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
@@ -97,6 +100,7 @@ class _Sequence:
 def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]], *,
                     max_new_tokens: int, sampling: SamplingParams, eos_ids: tuple[int, ...],
                     ctx_size: int, cache_spec: CacheSpec = CacheSpec(),
+                    key_centers: np.ndarray | None = None,
                     stop: Callable[[int, list[int]], bool] | None = None
                     ) -> Iterator[tuple[list[_Sequence], float, float]]:
     """Generate for a batch of tokenized prompts; yields (sequences, prefill_s, decode_s)
@@ -120,7 +124,7 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
         tokens[b, : len(p)] = p
         seen[b, p] = True
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    cache = new_cache(config, cache_spec, batch, max(slots, tokens.shape[1]))
+    cache = new_cache(params, config, cache_spec, batch, max(slots, tokens.shape[1]), key_centers)
     key = jax.random.PRNGKey(sampling.seed)
 
     t0 = time.perf_counter()

@@ -1,4 +1,11 @@
-"""The KV cache: one key store and one value store per layer, and attention over them."""
+"""The KV cache: one key store and one value store per layer, and attention over them.
+
+Cache formats (`--cache-type-k/-v`): dense `f32`/`bf16`/`f16`; baselines `q8` (int8 absmax per
+token and head) and `q4` (affine 4-bit, groups of 32); TurboQuant `turbo2`/`turbo3`/`turbo4` and
+the fractional `turbo2.5`/`turbo3.5` (half the rotated channels one bit higher). Every compressed
+format stores one fp16 scale per vector. Turbo keys are centred by default (see
+`tqjax.kv.quantized`), which needs per-layer key centres from a calibration pass.
+"""
 
 from __future__ import annotations
 
@@ -7,46 +14,94 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from tqjax.errors import TqjaxError
 from tqjax.kv import store as kvs
+from tqjax.kv.quantized import SCALE_DTYPE, Int4Store, Int8Store, TurboStore, pack_codes
+from tqjax.quant.turboquant import make_split_quantizer
 
 DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Cache formats for keys and values (e.g. "f32", "bf16", "turbo3")."""
+    """Cache formats for keys and values (e.g. "f32", "q8", "turbo3").
+
+    center_keys: centre turbo keys on calibrated pre-RoPE means (the robust default).
+    boundary_layers: the first and last N layers keep `boundary_type` instead.
+    """
 
     k: str = "f32"
     v: str = "f32"
+    center_keys: bool = True
+    boundary_layers: int = 0
+    boundary_type: str = "q8"
+    seed: int = 0
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.center_keys and self.k.startswith("turbo")
 
 
 @dataclasses.dataclass(frozen=True)
 class StoreShape:
-    """What a store constructor needs to know: sizes, layer index and rope frequencies."""
+    """What a store constructor needs: sizes, layer, and key centring data."""
 
     batch: int
     kv_heads: int
     slots: int
     head_dim: int
     layer: int
-    num_layers: int
+    seed: int = 0
+    center: np.ndarray | None = None  # [KV, hd] pre-RoPE key centre (keys, when centring)
+    inv_freq: np.ndarray | None = None  # [hd/2]
 
 
-StoreFactory = Callable[[StoreShape, bool], object]  # (shape, is_key) -> store
+StoreFactory = Callable[[StoreShape], object]
 
 
 def _dense_factory(dtype: jnp.dtype) -> StoreFactory:
-    def make(s: StoreShape, is_key: bool) -> kvs.DenseStore:
+    def make(s: StoreShape) -> kvs.DenseStore:
         return kvs.DenseStore(jnp.zeros((s.batch, s.kv_heads, s.slots, s.head_dim), dtype))
 
     return make
 
 
+def _int8_factory(s: StoreShape) -> Int8Store:
+    lead = (s.batch, s.kv_heads, s.slots)
+    return Int8Store(jnp.zeros((*lead, s.head_dim), jnp.int8), jnp.zeros(lead, SCALE_DTYPE))
+
+
+def _int4_factory(s: StoreShape) -> Int4Store:
+    if s.head_dim % 32:
+        raise TqjaxError(f"q4 cache needs a head dim divisible by 32, got {s.head_dim}")
+    lead, groups = (s.batch, s.kv_heads, s.slots), s.head_dim // 32
+    zeros = jnp.zeros((*lead, groups), SCALE_DTYPE)
+    return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8), zeros, zeros)
+
+
+def _turbo_factory(bits: int, half: bool) -> StoreFactory:
+    def make(s: StoreShape) -> TurboStore:
+        q = make_split_quantizer(s.head_dim, bits, s.head_dim // 2 if half else 0,
+                                 seed=s.seed * 7919 + s.layer)
+        lead = (s.batch, s.kv_heads, s.slots)
+        nbytes = pack_codes(q, jnp.zeros((1, s.head_dim), jnp.uint8)).shape[-1]
+        centred = s.center is not None
+        return TurboStore(
+            jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE), q,
+            center=jnp.asarray(s.center, jnp.float32) if centred else None,
+            inv_freq=jnp.asarray(s.inv_freq, jnp.float32) if centred else None)
+
+    return make
+
+
 STORE_FACTORIES: dict[str, StoreFactory] = {
-    name: _dense_factory(dtype) for name, dtype in DENSE_DTYPES.items()
+    **{name: _dense_factory(dtype) for name, dtype in DENSE_DTYPES.items()},
+    "q8": _int8_factory,
+    "q4": _int4_factory,
+    **{f"turbo{b}{h}": _turbo_factory(b, bool(h)) for b in (2, 3, 4) for h in ("", ".5")},
 }
 
 
@@ -66,22 +121,52 @@ class KVCache:
 
 
 def check_spec(spec: CacheSpec) -> None:
-    for name in (spec.k, spec.v):
+    for name in (spec.k, spec.v, spec.boundary_type):
         if name not in STORE_FACTORIES:
-            raise TqjaxError(f"unknown cache type {name!r} "
+            hint = " (turbo bits: 2, 3 or 4, optionally .5)" if name.startswith("turbo") else ""
+            raise TqjaxError(f"unknown cache type {name!r}{hint} "
                              f"(choose from: {', '.join(STORE_FACTORIES)})")
+    if spec.boundary_layers < 0:
+        raise TqjaxError(f"boundary layers must be >= 0, got {spec.boundary_layers}")
+
+
+def layer_types(spec: CacheSpec, num_layers: int) -> list[tuple[str, str]]:
+    """(key type, value type) per layer, boundary layers applied."""
+    n = spec.boundary_layers
+    return [(spec.boundary_type, spec.boundary_type) if i < n or i >= num_layers - n
+            else (spec.k, spec.v) for i in range(num_layers)]
 
 
 def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_heads: int,
-               head_dim: int) -> KVCache:
-    """An empty cache of `slots` positions for `batch` sequences."""
+               head_dim: int, key_centers: np.ndarray | None = None,
+               inv_freq: np.ndarray | None = None) -> KVCache:
+    """An empty cache of `slots` positions for `batch` sequences.
+
+    key_centers f32 [L, KV, hd] (pre-RoPE) and inv_freq [hd/2] are needed when
+    `spec.needs_calibration`.
+    """
     check_spec(spec)
+    if spec.needs_calibration and key_centers is None:
+        raise TqjaxError("centred turbo keys need key centres from calibration")
     layers = []
-    for i in range(num_layers):
-        shape = StoreShape(batch, kv_heads, slots, head_dim, i, num_layers)
-        layers.append(LayerCache(STORE_FACTORIES[spec.k](shape, True),
-                                 STORE_FACTORIES[spec.v](shape, False)))
+    for i, (kt, vt) in enumerate(layer_types(spec, num_layers)):
+        base = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed)
+        kshape = base
+        if spec.center_keys and kt.startswith("turbo"):
+            kshape = dataclasses.replace(base, center=key_centers[i], inv_freq=inv_freq)
+        layers.append(LayerCache(STORE_FACTORIES[kt](kshape), STORE_FACTORIES[vt](base)))
     return KVCache(layers)
+
+
+def bytes_per_token(cache: KVCache) -> float:
+    """Stored bytes per token slot, all layers, K+V (excludes per-layer constants)."""
+    total = 0
+    for layer in cache.layers:
+        for st in (layer.k, layer.v):
+            for leaf in jax.tree_util.tree_leaves(st):
+                if leaf.ndim >= 3 and leaf.shape[2] == cache.slots:
+                    total += leaf.nbytes
+    return total / cache.slots
 
 
 def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,

@@ -1,0 +1,179 @@
+"""Compressed KV stores: int8 and affine-int4 baselines, and TurboQuant.
+
+TurboQuant stores keep packed Lloyd–Max codes of the *rotated* vectors plus one fp16 scale per
+vector. Attention never leaves the rotated space per slot: a key score is
+⟨Πq, scale·c⟩ = ⟨q, Πᵀ(scale·c)⟩, and values are accumulated as Σ p·scale·c and rotated back once
+per head output.
+
+Keys may be *centred* first: a per-head vector μ (the pre-RoPE key mean, from calibration) is
+rotated to each slot's position and subtracted before quantizing, and its exact score
+contribution ⟨q, R_s μ⟩ is added back. Softmax does not change, but the large constant offset
+that Qwen's k_proj bias puts on every key no longer eats the quantizer's range.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from tqjax.kv import store as kvs
+from tqjax.kv.rope import apply_rope, rope_cos_sin
+from tqjax.quant.packing import pack_bits, unpack_bits
+from tqjax.quant.rotation import rotate, unrotate
+from tqjax.quant.turboquant import TurboQuantizer, dequantize_rotated, quantize
+
+SCALE_DTYPE = jnp.float16
+
+
+# ---------------------------------------------------------------- int8 per-vector absmax
+
+
+@struct.dataclass
+class Int8Store:
+    """Symmetric int8 per token and head: x ≈ scale · q, q in [-127, 127]."""
+
+    q: jax.Array  # [B, KV, S, hd] int8
+    scale: jax.Array  # [B, KV, S] f16
+
+
+def _int8_values(store: Int8Store) -> jax.Array:
+    return store.q.astype(jnp.float32) * store.scale.astype(jnp.float32)[..., None]
+
+
+@kvs.write.register
+def _(store: Int8Store, x: jax.Array, start: jax.Array) -> Int8Store:
+    x = x.astype(jnp.float32)
+    scale = (jnp.max(jnp.abs(x), axis=-1) / 127.0).astype(SCALE_DTYPE)
+    sf = scale.astype(jnp.float32)
+    q = jnp.round(x / jnp.where(sf > 0, sf, 1.0)[..., None]).clip(-127, 127).astype(jnp.int8)
+    return Int8Store(kvs.write_rows(store.q, q, start), kvs.write_rows(store.scale, scale, start))
+
+
+# ---------------------------------------------------------------- affine int4, groups of 32
+
+
+@struct.dataclass
+class Int4Store:
+    """Affine 4-bit in groups of `group` channels: x ≈ lo + step · q, q in [0, 15]."""
+
+    packed: jax.Array  # [B, KV, S, hd/2] uint8
+    step: jax.Array  # [B, KV, S, hd/group] f16
+    lo: jax.Array  # [B, KV, S, hd/group] f16
+    group: int = struct.field(pytree_node=False, default=32)
+
+
+def _int4_values(store: Int4Store) -> jax.Array:
+    hd = store.packed.shape[-1] * 2
+    q = unpack_bits(store.packed, 4, hd).astype(jnp.float32)
+    q = q.reshape(*q.shape[:-1], hd // store.group, store.group)
+    x = store.lo.astype(jnp.float32)[..., None] + store.step.astype(jnp.float32)[..., None] * q
+    return x.reshape(*x.shape[:-2], hd)
+
+
+@kvs.write.register
+def _(store: Int4Store, x: jax.Array, start: jax.Array) -> Int4Store:
+    g = store.group
+    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // g, g)
+    lo, hi = jnp.min(xg, axis=-1), jnp.max(xg, axis=-1)
+    step = ((hi - lo) / 15.0).astype(SCALE_DTYPE)
+    lo = lo.astype(SCALE_DTYPE)
+    sf = step.astype(jnp.float32)[..., None]
+    q = jnp.round((xg - lo.astype(jnp.float32)[..., None]) / jnp.where(sf > 0, sf, 1.0))
+    q = q.clip(0, 15).astype(jnp.uint8).reshape(x.shape)
+    return Int4Store(kvs.write_rows(store.packed, pack_bits(q, 4), start),
+                     kvs.write_rows(store.step, step, start), kvs.write_rows(store.lo, lo, start),
+                     g)
+
+
+# ---------------------------------------------------------------- TurboQuant
+
+
+@struct.dataclass
+class TurboStore:
+    """TurboQuant_mse codes (packed) and per-vector scales, optionally key-centred."""
+
+    packed: jax.Array  # [B, KV, S, packed bytes] uint8
+    scale: jax.Array  # [B, KV, S] f16
+    quantizer: TurboQuantizer
+    center: jax.Array | None = None  # [KV, hd] f32 pre-RoPE key mean (keys only)
+    inv_freq: jax.Array | None = None  # [hd/2] f32, rotates `center` to each slot
+
+
+def segments(q: TurboQuantizer) -> list[tuple[int, int, int]]:
+    """(first channel, channel count, bits) of each packed segment of a (split) quantizer."""
+    if q.hi_channels:
+        return [(0, q.hi_channels, q.bits + 1), (q.hi_channels, q.dim - q.hi_channels, q.bits)]
+    return [(0, q.dim, q.bits)]
+
+
+def pack_codes(q: TurboQuantizer, codes: jax.Array) -> jax.Array:
+    """codes uint8 [..., dim] -> packed uint8 [..., bytes], segment by segment."""
+    return jnp.concatenate([pack_bits(codes[..., a:a + n], b) for a, n, b in segments(q)], -1)
+
+
+def unpack_codes(q: TurboQuantizer, packed: jax.Array) -> jax.Array:
+    parts, offset = [], 0
+    for _, n, b in segments(q):
+        size = n * b // 8
+        parts.append(unpack_bits(packed[..., offset:offset + size], b, n))
+        offset += size
+    return jnp.concatenate(parts, -1)
+
+
+def _centre_at(store: TurboStore, positions: jax.Array) -> jax.Array:
+    """The key centre rotated to each position: positions [...] -> [..., KV, hd] f32."""
+    cos, sin = rope_cos_sin(positions, store.inv_freq)
+    return apply_rope(store.center, cos[..., None, :], sin[..., None, :])
+
+
+def _turbo_rotated(store: TurboStore) -> jax.Array:
+    """Stored vectors in the rotated space, f32 [B, KV, S, hd] (scale · centroids)."""
+    codes = unpack_codes(store.quantizer, store.packed)
+    return dequantize_rotated(store.quantizer, codes, store.scale.astype(jnp.float32))
+
+
+@kvs.write.register
+def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
+    x = x.astype(jnp.float32)  # [B, KV, T, hd]
+    if store.center is not None:
+        positions = start[:, None] + jnp.arange(x.shape[2])[None, :]  # [B, T]
+        x = x - _centre_at(store, positions).transpose(0, 2, 1, 3)
+    codes, scale = quantize(store.quantizer, x)
+    return store.replace(
+        packed=kvs.write_rows(store.packed, pack_codes(store.quantizer, codes), start),
+        scale=kvs.write_rows(store.scale, scale.astype(SCALE_DTYPE), start))
+
+
+@kvs.scores.register
+def _(store: TurboStore, q: jax.Array) -> jax.Array:
+    q = q.astype(jnp.float32)
+    s = jnp.einsum("bknd,bksd->bkns", rotate(q, store.quantizer.rotation), _turbo_rotated(store))
+    if store.center is not None:
+        centre = _centre_at(store, jnp.arange(store.scale.shape[2]))  # [S, KV, hd]
+        s = s + jnp.einsum("bknd,skd->bkns", q, centre)
+    return s
+
+
+@kvs.mix.register
+def _(store: TurboStore, p: jax.Array) -> jax.Array:
+    out = jnp.einsum("bkns,bksd->bknd", p, _turbo_rotated(store))
+    return unrotate(out, store.quantizer.rotation)
+
+
+# ---------------------------------------------------------------- shared score/mix for
+# stores that reconstruct values per slot (int8, int4)
+
+
+def _register_reconstructing(cls: type, values: object) -> None:
+    @kvs.scores.register(cls)
+    def _(store: object, q: jax.Array) -> jax.Array:
+        return jnp.einsum("bknd,bksd->bkns", q.astype(jnp.float32), values(store))
+
+    @kvs.mix.register(cls)
+    def _(store: object, p: jax.Array) -> jax.Array:
+        return jnp.einsum("bkns,bksd->bknd", p, values(store))
+
+
+_register_reconstructing(Int8Store, _int8_values)
+_register_reconstructing(Int4Store, _int4_values)
