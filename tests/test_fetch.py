@@ -157,7 +157,11 @@ def test_pip_failure_message(monkeypatch, tmp_path):
     def fake_run(cmd, **kw):
         assert "--no-deps" in cmd and "download" in cmd
         return subprocess.CompletedProcess(
-            cmd, 1, "", "Looking in indexes: x\nERROR: No matching distribution found for y\n"
+            cmd,
+            1,
+            "",
+            "Looking in indexes: x\nERROR: No matching distribution found for y\n"
+            "WARNING: Location 'file:///opt/x' is ignored\n",
         )
 
     monkeypatch.setattr(fetch.subprocess, "run", fake_run)

