@@ -20,6 +20,8 @@ from flax import struct
 from tqjax.errors import TqjaxError
 from tqjax.kv import store as kvs
 from tqjax.kv.quantized import SCALE_DTYPE, Int4Store, Int8Store, TurboStore, pack_codes
+from tqjax.pallas import turbo_attention
+from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.quant.turboquant import make_split_quantizer
 
 DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -38,6 +40,7 @@ class CacheSpec:
     center_keys: bool = True
     boundary_layers: int = 0
     boundary_type: str = "q8"
+    sink_tokens: int = 0
     seed: int = 0
 
     @property
@@ -55,6 +58,7 @@ class StoreShape:
     head_dim: int
     layer: int
     seed: int = 0
+    sink_tokens: int = 0
     center: np.ndarray | None = None  # [KV, hd] pre-RoPE key centre (keys, when centring)
     inv_freq: np.ndarray | None = None  # [hd/2]
 
@@ -92,7 +96,9 @@ def _turbo_factory(bits: int, half: bool) -> StoreFactory:
         return TurboStore(
             jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE), q,
             center=jnp.asarray(s.center, jnp.float32) if centred else None,
-            inv_freq=jnp.asarray(s.inv_freq, jnp.float32) if centred else None)
+            inv_freq=jnp.asarray(s.inv_freq, jnp.float32) if centred else None,
+            sink=jnp.zeros((*lead[:2], s.sink_tokens, s.head_dim), SCALE_DTYPE)
+            if s.sink_tokens else None)
 
     return make
 
@@ -150,7 +156,8 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
         raise TqjaxError("centred turbo keys need key centres from calibration")
     layers = []
     for i, (kt, vt) in enumerate(layer_types(spec, num_layers)):
-        base = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed)
+        base = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed,
+                          min(spec.sink_tokens, slots))
         kshape = base
         if spec.center_keys and kt.startswith("turbo"):
             kshape = dataclasses.replace(base, center=key_centers[i], inv_freq=inv_freq)
@@ -170,11 +177,13 @@ def bytes_per_token(cache: KVCache) -> float:
 
 
 def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
-           start: jax.Array) -> tuple[jax.Array, LayerCache]:
+           start: jax.Array, backend: str | None = None) -> tuple[jax.Array, LayerCache]:
     """Write this chunk's keys/values, then causal attention over the whole cache.
 
     q [B, T, H, hd], k/v [B, T, KV, hd] (post-RoPE), start int32 [B]: slot of the chunk's
     first token per sequence. Slot s is visible to query t iff s <= start + t.
+    backend: "xla" or "pallas" (decode steps, T == 1, over TurboQuant/dense stores run the
+    `tqjax.pallas.turbo_attention` kernel); None = `tqjax.pallas.backend.current()`.
     Returns (out [B, T, H, hd] in q's dtype, updated layer).
     """
     b, t, h, hd = q.shape
@@ -182,6 +191,10 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
     g = h // kvh
     layer = LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), start),
                        kvs.write(layer.v, v.transpose(0, 2, 1, 3), start))
+    if (t == 1 and resolve_backend(backend) == "pallas"
+            and turbo_attention.supported(q.shape, layer.k, layer.v)):
+        out = turbo_attention.turbo_decode_attention(q[:, 0], layer.k, layer.v, start)
+        return out[:, None].astype(q.dtype), layer
     qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
     s = kvs.scores(layer.k, qg) * (1.0 / hd**0.5)  # [B, KV, G*T, S]
     qpos = start[:, None] + jnp.tile(jnp.arange(t), g)[None, :]  # [B, G*T]

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tqjax.pallas.backend import resolve as resolve_backend
+from tqjax.pallas.dequant_matmul import dequant_matmul
+from tqjax.pallas.dequant_matmul import supported as dequant_supported
 from tqjax.quant.packing import unpack_bits
 from tqjax.quant.rotation import Rotation, rotate
 
@@ -67,9 +70,16 @@ def dequantize_weight(w: QuantizedLinear) -> jax.Array:
     return values.reshape(k, n)
 
 
-def linear(x: jax.Array, w: Any) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out] in x's dtype; w dense or QuantizedLinear."""
+def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] in x's dtype; w dense or QuantizedLinear.
+
+    backend: "xla" (dequantize, then dot) or "pallas" (the fused `dequant_matmul` kernel where
+    it applies); None = `tqjax.pallas.backend.current()`.
+    """
     if isinstance(w, QuantizedLinear):
         xr = rotate_input(x, w)
+        x2 = xr.reshape(-1, xr.shape[-1])
+        if resolve_backend(backend) == "pallas" and dequant_supported(x2.shape, w):
+            return dequant_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
         return jnp.dot(xr, dequantize_weight(w).astype(x.dtype))
     return jnp.dot(x, w.astype(x.dtype))

@@ -1,0 +1,59 @@
+"""Which implementation the hot paths use: plain XLA ("xla", the default) or the Pallas kernels.
+
+The choice is a static, trace-time setting, read by `tqjax.quant.weights.linear` and
+`tqjax.kv.cache.attend` when they are traced:
+
+    with use_backend("pallas"):
+        tqjax.generate(model, prompt)
+
+It is a JAX configuration state that takes part in the jit cache key (like the default matmul
+precision), so a function jitted under one backend is retraced, not reused, under the other.
+Thread-local: each thread has its own setting. Functions that take an explicit `backend`
+argument use it instead of this default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+from jax._src import config as _jax_config
+
+from tqjax.errors import TqjaxError
+
+BACKENDS = ("xla", "pallas")
+
+_state = _jax_config.enum_state(
+    "tqjax_kernel_backend", list(BACKENDS), "xla",
+    help="tqjax hot-path implementation: plain XLA or Pallas kernels.",
+    include_in_jit_key=True, include_in_trace_context=True)
+
+
+def check_backend(name: str) -> str:
+    """`name` if it is a known backend, else a TqjaxError naming the choices."""
+    if name not in BACKENDS:
+        raise TqjaxError(f"unknown backend {name!r} (choose from: {', '.join(BACKENDS)})")
+    return name
+
+
+def current() -> str:
+    """The backend in effect here: the innermost `use_backend`, else "xla"."""
+    return _state.value
+
+
+def resolve(backend: str | None) -> str:
+    """An explicit backend (checked) or, for None, the current default."""
+    return current() if backend is None else check_backend(backend)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the enclosed code (and everything it traces) with backend `name`."""
+    with _state(check_backend(name)):
+        yield
+
+
+def default_interpret() -> bool:
+    """Pallas interpret mode where no GPU backs JAX (CPU): kernels run as plain JAX ops."""
+    return jax.default_backend() == "cpu"
