@@ -29,7 +29,7 @@ class PerplexityResult:
     top1: float | None = None  # fraction of positions whose argmax agrees with the reference
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(1,))
 def window_logprobs(params: Params, config: ModelConfig, tokens: jax.Array,
                     cache: KVCache) -> tuple[jax.Array, jax.Array]:
     """tokens int32 [1, T] -> (log-probs f32 [T-1, V] predicting tokens 1..T-1, NLL [T-1])."""

@@ -98,6 +98,7 @@ class TurboStore:
     quantizer: TurboQuantizer
     center: jax.Array | None = None  # [KV, hd] f32 pre-RoPE key mean (keys only)
     inv_freq: jax.Array | None = None  # [hd/2] f32, rotates `center` to each slot
+    sink: jax.Array | None = None  # [B, KV, n_sink, hd] f16: the first slots kept dense
 
 
 def segments(q: TurboQuantizer) -> list[tuple[int, int, int]]:
@@ -133,13 +134,25 @@ def _turbo_rotated(store: TurboStore) -> jax.Array:
     return dequantize_rotated(store.quantizer, codes, store.scale.astype(jnp.float32))
 
 
+def write_sink(sink: jax.Array, x: jax.Array, start: jax.Array) -> jax.Array:
+    """Copy the chunk x [B, KV, T, hd] (slots start..start+T-1) into the dense sink slots."""
+    slot = jnp.arange(sink.shape[2])
+    idx = slot[None, :] - start[:, None]  # [B, n_sink]: chunk index of each sink slot
+    inside = (idx >= 0) & (idx < x.shape[2])
+    picked = jnp.take_along_axis(x, jnp.clip(idx, 0, x.shape[2] - 1)[:, None, :, None], axis=2)
+    return jnp.where(inside[:, None, :, None], picked.astype(sink.dtype), sink)
+
+
 @kvs.write.register
 def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
+    raw = x
     x = x.astype(jnp.float32)  # [B, KV, T, hd]
     if store.center is not None:
         positions = start[:, None] + jnp.arange(x.shape[2])[None, :]  # [B, T]
         x = x - _centre_at(store, positions).transpose(0, 2, 1, 3)
     codes, scale = quantize(store.quantizer, x)
+    if store.sink is not None:
+        store = store.replace(sink=write_sink(store.sink, raw, start))
     return store.replace(
         packed=kvs.write_rows(store.packed, pack_codes(store.quantizer, codes), start),
         scale=kvs.write_rows(store.scale, scale.astype(SCALE_DTYPE), start))
@@ -152,13 +165,21 @@ def _(store: TurboStore, q: jax.Array) -> jax.Array:
     if store.center is not None:
         centre = _centre_at(store, jnp.arange(store.scale.shape[2]))  # [S, KV, hd]
         s = s + jnp.einsum("bknd,skd->bkns", q, centre)
+    if store.sink is not None:
+        n = store.sink.shape[2]
+        exact = jnp.einsum("bknd,bksd->bkns", q, store.sink.astype(jnp.float32))
+        s = s.at[..., :n].set(exact)
     return s
 
 
 @kvs.mix.register
 def _(store: TurboStore, p: jax.Array) -> jax.Array:
-    out = jnp.einsum("bkns,bksd->bknd", p, _turbo_rotated(store))
-    return unrotate(out, store.quantizer.rotation)
+    n = 0 if store.sink is None else store.sink.shape[2]
+    out = jnp.einsum("bkns,bksd->bknd", p.at[..., :n].set(0.0), _turbo_rotated(store))
+    out = unrotate(out, store.quantizer.rotation)
+    if n:
+        out = out + jnp.einsum("bkns,bksd->bknd", p[..., :n], store.sink.astype(jnp.float32))
+    return out
 
 
 # ---------------------------------------------------------------- shared score/mix for
