@@ -47,7 +47,7 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, d
     slots = max(context, prompt_tokens) + decode_tokens + 2
 
     def run_prefill() -> object:
-        cache = new_cache(model.params, cfg, spec, 1, slots, model.key_centers(spec))
+        cache = new_cache(model.params, cfg, spec, 1, slots, model.calibration(spec))
         logits, cache = prefill(model.params, cfg, tokens, lengths, cache)
         jax.block_until_ready(logits)
         return cache

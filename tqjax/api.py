@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax import fetch
-from tqjax.decode.calibrate import calibration_text, key_centers
+from tqjax.decode.calibrate import calibrate, calibration_text
 from tqjax.decode.generate import (
     GenerationResult,
     full_logits,
@@ -20,7 +20,7 @@ from tqjax.decode.generate import (
 )
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec
+from tqjax.kv.cache import CacheSpec, Calibration
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import load_checkpoint
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -36,19 +36,20 @@ class Model:
     tokenizer: Tokenizer | None  # None for a weights-only directory (logits still work)
     source: str
     dtype: str
-    _key_centers: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    _calibration: Calibration | None = dataclasses.field(default=None, repr=False)
 
-    def key_centers(self, spec: CacheSpec) -> np.ndarray | None:
-        """Calibrated pre-RoPE key centres [L, KV, hd] when `spec` centres keys (memoized)."""
+    def calibration(self, spec: CacheSpec) -> Calibration | None:
+        """KV means from the built-in calibration text when `spec` centres a turbo store
+        (computed once per model)."""
         if not spec.needs_calibration:
             return None
-        if self._key_centers is None:
+        if self._calibration is None:
             if self.tokenizer is None:
-                raise TqjaxError("centred turbo keys need a tokenizer for calibration; "
-                                 "pass CacheSpec(center_keys=False)")
+                raise TqjaxError("centred turbo caches need a tokenizer for calibration; "
+                                 "pass CacheSpec(center_keys=False, center_values=False)")
             ids = self.tokenizer.encode(calibration_text(), add_bos=False)
-            self._key_centers = key_centers(self.params, self.config, ids)
-        return self._key_centers
+            self._calibration = calibrate(self.params, self.config, ids)
+        return self._calibration
 
 
 def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
@@ -88,7 +89,7 @@ def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec = CacheSpec(
     size = padded_length(n)
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :n] = token_ids
-    kv = new_cache(model.params, model.config, cache, 1, size, model.key_centers(cache))
+    kv = new_cache(model.params, model.config, cache, 1, size, model.calibration(cache))
     out, _ = full_logits(model.params, model.config, jnp.asarray(tokens),
                          jnp.zeros(1, jnp.int32), kv)
     return np.asarray(out[0, :n])
@@ -154,7 +155,7 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     for progress in generate_tokens(
             model.params, model.config, prompts, max_new_tokens=max_new_tokens,
             sampling=sampling, eos_ids=model.tokenizer.eos_ids, ctx_size=ctx,
-            cache_spec=cache, key_centers=model.key_centers(cache), stop=stop_fn):
+            cache_spec=cache, calibration=model.calibration(cache), stop=stop_fn):
         seqs, prefill_s, decode_s = progress
         if on_text is not None and not batched:
             ids = [i for i in seqs[0].ids if i not in model.tokenizer.eos_ids]

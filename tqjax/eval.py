@@ -76,7 +76,7 @@ def sweep(ids: list[int] | np.ndarray, ctx: int, runs: dict[str, Run],
         ref_logp = None
         for name in order:
             model, spec = runs[name]
-            cache = new_cache(model.params, model.config, spec, 1, ctx, model.key_centers(spec))
+            cache = new_cache(model.params, model.config, spec, 1, ctx, model.calibration(spec))
             logp, window_nll = window_logprobs(model.params, model.config, tokens, cache)
             nll[name] += float(jnp.sum(window_nll))
             if name == reference:

@@ -18,7 +18,7 @@ import numpy as np
 
 from tqjax.decode.sampling import SamplingParams, sample
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec, KVCache, make_cache
+from tqjax.kv.cache import CacheSpec, Calibration, KVCache, make_cache
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, forward
 
@@ -30,11 +30,11 @@ def padded_length(n: int, multiple: int = PAD_MULTIPLE) -> int:
 
 
 def new_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, slots: int,
-              key_centers: np.ndarray | None = None) -> KVCache:
-    """An empty cache; key_centers [L, KV, hd] from `calibrate.key_centers` for centred keys."""
+              calibration: Calibration | None = None) -> KVCache:
+    """An empty cache; `calibration` (from `calibrate.calibrate`) for centred turbo stores."""
     return make_cache(spec, batch=batch, slots=slots, num_layers=config.num_layers,
                       kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                      key_centers=key_centers, inv_freq=np.asarray(params.rope_inv_freq))
+                      calibration=calibration, inv_freq=np.asarray(params.rope_inv_freq))
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
@@ -100,7 +100,7 @@ class _Sequence:
 def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]], *,
                     max_new_tokens: int, sampling: SamplingParams, eos_ids: tuple[int, ...],
                     ctx_size: int, cache_spec: CacheSpec = CacheSpec(),
-                    key_centers: np.ndarray | None = None,
+                    calibration: Calibration | None = None,
                     stop: Callable[[int, list[int]], bool] | None = None
                     ) -> Iterator[tuple[list[_Sequence], float, float]]:
     """Generate for a batch of tokenized prompts; yields (sequences, prefill_s, decode_s)
@@ -124,7 +124,8 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
         tokens[b, : len(p)] = p
         seen[b, p] = True
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    cache = new_cache(params, config, cache_spec, batch, max(slots, tokens.shape[1]), key_centers)
+    cache = new_cache(params, config, cache_spec, batch, max(slots, tokens.shape[1]),
+                      calibration)
     key = jax.random.PRNGKey(sampling.seed)
 
     t0 = time.perf_counter()

@@ -32,12 +32,18 @@ class CacheSpec:
     """Cache formats for keys and values (e.g. "f32", "q8", "turbo3").
 
     center_keys: centre turbo keys on calibrated pre-RoPE means (the robust default).
+    center_values: centre turbo values on calibrated means (exact: softmax weights sum to 1).
+    balance_keys: per-channel key scales absorbed into the query, q·k = (q∘s)·(k/s), s from
+        calibration, to even out key/query channel energies before rotation.
+    sink_tokens: the first N positions of turbo stores are kept dense (attention sinks).
     boundary_layers: the first and last N layers keep `boundary_type` instead.
     """
 
     k: str = "f32"
     v: str = "f32"
     center_keys: bool = True
+    center_values: bool = True
+    balance_keys: bool = True
     boundary_layers: int = 0
     boundary_type: str = "q8"
     sink_tokens: int = 0
@@ -45,7 +51,17 @@ class CacheSpec:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.center_keys and self.k.startswith("turbo")
+        return (((self.center_keys or self.balance_keys) and self.k.startswith("turbo"))
+                or (self.center_values and self.v.startswith("turbo")))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Calibration:
+    """Per-layer means from a calibration pass, f32 [L, KV, hd]; keys before RoPE."""
+
+    key_mean: np.ndarray
+    value_mean: np.ndarray
+    key_scale: np.ndarray  # per RoPE pair (both halves equal), geometric mean 1 per head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +75,9 @@ class StoreShape:
     layer: int
     seed: int = 0
     sink_tokens: int = 0
-    center: np.ndarray | None = None  # [KV, hd] pre-RoPE key centre (keys, when centring)
-    inv_freq: np.ndarray | None = None  # [hd/2]
+    center: np.ndarray | None = None  # [KV, hd] centre (keys: pre-RoPE), when centring
+    inv_freq: np.ndarray | None = None  # [hd/2]: set for keys, whose centre follows RoPE
+    chan_scale: np.ndarray | None = None  # [KV, hd] key channel scales (balanced keys)
 
 
 StoreFactory = Callable[[StoreShape], object]
@@ -92,11 +109,11 @@ def _turbo_factory(bits: int, half: bool) -> StoreFactory:
                                  seed=s.seed * 7919 + s.layer)
         lead = (s.batch, s.kv_heads, s.slots)
         nbytes = pack_codes(q, jnp.zeros((1, s.head_dim), jnp.uint8)).shape[-1]
-        centred = s.center is not None
         return TurboStore(
             jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE), q,
-            center=jnp.asarray(s.center, jnp.float32) if centred else None,
-            inv_freq=jnp.asarray(s.inv_freq, jnp.float32) if centred else None,
+            center=None if s.center is None else jnp.asarray(s.center, jnp.float32),
+            inv_freq=None if s.inv_freq is None else jnp.asarray(s.inv_freq, jnp.float32),
+            chan_scale=None if s.chan_scale is None else jnp.asarray(s.chan_scale, jnp.float32),
             sink=jnp.zeros((*lead[:2], s.sink_tokens, s.head_dim), SCALE_DTYPE)
             if s.sink_tokens else None)
 
@@ -144,24 +161,29 @@ def layer_types(spec: CacheSpec, num_layers: int) -> list[tuple[str, str]]:
 
 
 def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_heads: int,
-               head_dim: int, key_centers: np.ndarray | None = None,
+               head_dim: int, calibration: Calibration | None = None,
                inv_freq: np.ndarray | None = None) -> KVCache:
     """An empty cache of `slots` positions for `batch` sequences.
 
-    key_centers f32 [L, KV, hd] (pre-RoPE) and inv_freq [hd/2] are needed when
+    `calibration` and the rope frequencies inv_freq [hd/2] are needed when
     `spec.needs_calibration`.
     """
     check_spec(spec)
-    if spec.needs_calibration and key_centers is None:
-        raise TqjaxError("centred turbo keys need key centres from calibration")
+    if spec.needs_calibration and calibration is None:
+        raise TqjaxError("centred turbo keys/values need a calibration pass")
     layers = []
     for i, (kt, vt) in enumerate(layer_types(spec, num_layers)):
         base = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed,
                           min(spec.sink_tokens, slots))
-        kshape = base
-        if spec.center_keys and kt.startswith("turbo"):
-            kshape = dataclasses.replace(base, center=key_centers[i], inv_freq=inv_freq)
-        layers.append(LayerCache(STORE_FACTORIES[kt](kshape), STORE_FACTORIES[vt](base)))
+        kshape, vshape = base, base
+        if kt.startswith("turbo"):
+            kshape = dataclasses.replace(
+                base, center=calibration.key_mean[i] if spec.center_keys else None,
+                inv_freq=inv_freq if spec.center_keys else None,
+                chan_scale=calibration.key_scale[i] if spec.balance_keys else None)
+        if spec.center_values and vt.startswith("turbo"):
+            vshape = dataclasses.replace(base, center=calibration.value_mean[i])
+        layers.append(LayerCache(STORE_FACTORIES[kt](kshape), STORE_FACTORIES[vt](vshape)))
     return KVCache(layers)
 
 
@@ -192,7 +214,10 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
     layer = LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), start),
                        kvs.write(layer.v, v.transpose(0, 2, 1, 3), start))
     if (t == 1 and resolve_backend(backend) == "pallas"
-            and turbo_attention.supported(q.shape, layer.k, layer.v)):
+            and turbo_attention.supported(q.shape, layer.k, layer.v)
+            and not any(getattr(st, "sink", None) is not None for st in (layer.k, layer.v))
+            and getattr(layer.v, "center", None) is None
+            and getattr(layer.k, "chan_scale", None) is None):
         out = turbo_attention.turbo_decode_attention(q[:, 0], layer.k, layer.v, start)
         return out[:, None].astype(q.dtype), layer
     qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)

@@ -8,7 +8,11 @@ per head output.
 Keys may be *centred* first: a per-head vector μ (the pre-RoPE key mean, from calibration) is
 rotated to each slot's position and subtracted before quantizing, and its exact score
 contribution ⟨q, R_s μ⟩ is added back. Softmax does not change, but the large constant offset
-that Qwen's k_proj bias puts on every key no longer eats the quantizer's range.
+that Qwen's k_proj bias puts on every key no longer eats the quantizer's range. Values may be
+centred the same way (no RoPE); μ_v is added back exactly since softmax weights sum to one.
+
+The first `n_sink` slots can be kept dense: attention sinks (the first tokens, which most heads
+attend to heavily) then carry no quantization error, for a fixed cost per layer.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ class TurboStore:
     packed: jax.Array  # [B, KV, S, packed bytes] uint8
     scale: jax.Array  # [B, KV, S] f16
     quantizer: TurboQuantizer
-    center: jax.Array | None = None  # [KV, hd] f32 pre-RoPE key mean (keys only)
-    inv_freq: jax.Array | None = None  # [hd/2] f32, rotates `center` to each slot
+    center: jax.Array | None = None  # [KV, hd] f32 mean removed before quantizing
+    inv_freq: jax.Array | None = None  # [hd/2] f32 (keys): rotate `center` to each slot
+    chan_scale: jax.Array | None = None  # [KV, hd] f32 key scales s: stores k/s, scores q∘s
     sink: jax.Array | None = None  # [B, KV, n_sink, hd] f16: the first slots kept dense
 
 
@@ -123,7 +128,9 @@ def unpack_codes(q: TurboQuantizer, packed: jax.Array) -> jax.Array:
 
 
 def _centre_at(store: TurboStore, positions: jax.Array) -> jax.Array:
-    """The key centre rotated to each position: positions [...] -> [..., KV, hd] f32."""
+    """The centre at each position (keys: rotated by RoPE): positions [...] -> [..., KV, hd]."""
+    if store.inv_freq is None:
+        return jnp.broadcast_to(store.center, (*positions.shape, *store.center.shape))
     cos, sin = rope_cos_sin(positions, store.inv_freq)
     return apply_rope(store.center, cos[..., None, :], sin[..., None, :])
 
@@ -150,6 +157,8 @@ def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
     if store.center is not None:
         positions = start[:, None] + jnp.arange(x.shape[2])[None, :]  # [B, T]
         x = x - _centre_at(store, positions).transpose(0, 2, 1, 3)
+    if store.chan_scale is not None:
+        x = x / store.chan_scale[None, :, None, :]
     codes, scale = quantize(store.quantizer, x)
     if store.sink is not None:
         store = store.replace(sink=write_sink(store.sink, raw, start))
@@ -161,8 +170,9 @@ def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
 @kvs.scores.register
 def _(store: TurboStore, q: jax.Array) -> jax.Array:
     q = q.astype(jnp.float32)
-    s = jnp.einsum("bknd,bksd->bkns", rotate(q, store.quantizer.rotation), _turbo_rotated(store))
-    if store.center is not None:
+    qs = q if store.chan_scale is None else q * store.chan_scale[None, :, None, :]
+    s = jnp.einsum("bknd,bksd->bkns", rotate(qs, store.quantizer.rotation), _turbo_rotated(store))
+    if store.center is not None:  # a key store: inv_freq is set
         centre = _centre_at(store, jnp.arange(store.scale.shape[2]))  # [S, KV, hd]
         s = s + jnp.einsum("bknd,skd->bkns", q, centre)
     if store.sink is not None:
@@ -177,6 +187,8 @@ def _(store: TurboStore, p: jax.Array) -> jax.Array:
     n = 0 if store.sink is None else store.sink.shape[2]
     out = jnp.einsum("bkns,bksd->bknd", p.at[..., :n].set(0.0), _turbo_rotated(store))
     out = unrotate(out, store.quantizer.rotation)
+    if store.center is not None:  # a value store: constant centre, weights sum to 1
+        out = out + jnp.sum(p[..., n:], -1, keepdims=True) * store.center[None, :, None, :]
     if n:
         out = out + jnp.einsum("bkns,bksd->bknd", p[..., :n], store.sink.astype(jnp.float32))
     return out

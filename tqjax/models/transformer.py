@@ -56,9 +56,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def attention_block(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
-                    sin: jax.Array, start: jax.Array,
-                    layer_cache: kvc.LayerCache) -> tuple[jax.Array, kvc.LayerCache]:
-    """x [B, T, D] (already normed) -> attention output [B, T, D] and the updated cache."""
+                    sin: jax.Array, start: jax.Array, layer_cache: kvc.LayerCache
+                    ) -> tuple[jax.Array, kvc.LayerCache, jax.Array]:
+    """x [B, T, D] (already normed) -> attention output [B, T, D], the updated cache and the
+    post-RoPE queries [B, T, H, hd] (used by cache calibration)."""
     b, t, _ = x.shape
     hd = config.head_dim
     q, k, v = qw.linear(x, lp.wq), qw.linear(x, lp.wk), qw.linear(x, lp.wv)
@@ -71,17 +72,18 @@ def attention_block(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax
         q, k = rms_norm(q, lp.q_norm, config.rms_eps), rms_norm(k, lp.k_norm, config.rms_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out, layer_cache = kvc.attend(layer_cache, q, k, v, start)
-    return qw.linear(out.reshape(b, t, -1), lp.wo), layer_cache
+    return qw.linear(out.reshape(b, t, -1), lp.wo), layer_cache, q
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
-            cache: kvc.KVCache,
-            out_index: jax.Array | None = None) -> tuple[jax.Array, kvc.KVCache]:
+            cache: kvc.KVCache, out_index: jax.Array | None = None,
+            queries: list[jax.Array] | None = None) -> tuple[jax.Array, kvc.KVCache]:
     """Run a chunk of tokens through the model, reading and extending the KV cache.
 
     tokens int32 [B, T]; start int32 [B]: position of tokens[:, 0] per sequence (prefill: 0,
     decode: the current length). Returns f32 logits [B, T, V], or [B, V] taken at
-    `out_index` int32 [B] when given, and the updated cache.
+    `out_index` int32 [B] when given, and the updated cache. A `queries` list, if given, is
+    filled with every layer's post-RoPE queries [B, T, H, hd].
     """
     dtype = params.embed.dtype
     x = params.embed[tokens].astype(dtype)
@@ -90,8 +92,10 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
     new_layers = []
     for lp, layer_cache in zip(params.layers, cache.layers, strict=True):
-        h, layer_cache = attention_block(lp, config, rms_norm(x, lp.attn_norm, config.rms_eps),
-                                         cos, sin, start, layer_cache)
+        h, layer_cache, q = attention_block(lp, config, rms_norm(x, lp.attn_norm, config.rms_eps),
+                                            cos, sin, start, layer_cache)
+        if queries is not None:
+            queries.append(q)
         x = x + h
         hn = rms_norm(x, lp.mlp_norm, config.rms_eps)
         gated = jax.nn.silu(qw.linear(hn, lp.w_gate)) * qw.linear(hn, lp.w_up)
