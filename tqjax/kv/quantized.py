@@ -210,3 +210,22 @@ def _register_reconstructing(cls: type, values: object) -> None:
 
 _register_reconstructing(Int8Store, _int8_values)
 _register_reconstructing(Int4Store, _int4_values)
+
+
+def materialize(store: object) -> jax.Array:
+    """Every slot's reconstructed vector, f32 [B, KV, S, hd] (tests and debugging; attention
+    never calls this)."""
+    if isinstance(store, kvs.DenseStore):
+        return store.data.astype(jnp.float32)
+    if isinstance(store, Int8Store):
+        return _int8_values(store)
+    if isinstance(store, Int4Store):
+        return _int4_values(store)
+    x = unrotate(_turbo_rotated(store), store.quantizer.rotation)
+    if store.chan_scale is not None:
+        x = x * store.chan_scale[None, :, None, :]
+    if store.center is not None:
+        x = x + _centre_at(store, jnp.arange(x.shape[2])).transpose(1, 0, 2)[None]
+    if store.sink is not None:
+        x = x.at[:, :, : store.sink.shape[2]].set(store.sink.astype(jnp.float32))
+    return x
