@@ -11,10 +11,10 @@ Sections, at Qwen2.5-Coder-0.5B shapes (hidden 896, FFN 4864, 14 heads / 2 KV he
   per layer for dense bf16 (XLA and Pallas) and turbo4-K (centred) / turbo3-V (XLA and Pallas) at
   4k and 32k, scanning over 24 layers of cache;
 - decode: tok/s of the whole model (batch 1) at 4k and 32k context, bf16 vs tq4 weights, dense
-  bf16 vs turbo cache, xla vs pallas backend; runs are ordered by importance and skipped (marked)
-  once the time budget is spent. Uses the real checkpoint when --model is given or the fetch
-  cache holds it (no download), else random weights of the same architecture (speed does not
-  depend on the values).
+  bf16 vs a calibrated turbo4-K / turbo3-V cache (4 sink slots), xla vs pallas backend;
+  runs are ordered by importance and skipped (marked) once the time budget is spent. Uses the
+  real checkpoint when --model is given or the fetch cache holds it (no download), else random
+  weights of the same architecture (speed does not depend on the values).
 
 Without a GPU it writes {"error": ...} and exits 1.
 """
@@ -361,20 +361,19 @@ def decode_speed(config: object, params: object, cache_type: str, backend: str,
     import jax.numpy as jnp
     import numpy as np
 
+    from tqjax.decode.calibrate import calibrate
     from tqjax.decode.generate import decode_step, new_cache
     from tqjax.decode.sampling import SamplingParams
-    from tqjax.kv.cache import CacheSpec
+    from tqjax.kv import cache as kvc
     from tqjax.pallas.backend import use_backend
 
-    if cache_type == "bf16":
-        spec, centres = CacheSpec(k="bf16", v="bf16"), None
-    else:
-        spec = CacheSpec(k="turbo4", v="turbo3")
-        rng = np.random.default_rng(0)
-        centres = rng.normal(size=(config.num_layers, config.num_kv_heads,
-                                   config.head_dim)).astype(np.float32)
+    spec, calibration = kvc.CacheSpec(k="bf16", v="bf16"), None
+    if cache_type == "turbo":  # the default turbo cache, calibrated on random token ids
+        spec = kvc.CacheSpec(k="turbo4", v="turbo3", sink_tokens=4)
+        ids = np.random.default_rng(0).integers(0, config.vocab_size, 256).tolist()
+        calibration = calibrate(params, config, ids)
     with use_backend(backend):
-        cache = new_cache(params, config, spec, 1, context + 64, centres)
+        cache = new_cache(params, config, spec, 1, context + 64, calibration)
         seen = jnp.zeros((1, config.vocab_size), bool)
         key, tok, sampling = jax.random.PRNGKey(0), jnp.asarray([1], jnp.int32), SamplingParams()
         t0 = time.perf_counter()

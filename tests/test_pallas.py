@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tqjax
-from tqjax.decode.calibrate import key_centers
+from tqjax.decode.calibrate import calibrate
 from tqjax.decode.generate import generate_tokens
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
@@ -84,15 +84,21 @@ def test_dequant_matmul_rejects_unsupported_shapes():
 # ---------------------------------------------------------------- decode attention
 
 
-def filled_layer(k_type, v_type, batch, kv_heads, slots, hd, center):
-    shape = kvc.StoreShape(batch, kv_heads, slots, hd, layer=1)
-    kshape = shape
+def filled_layer(k_type, v_type, batch, kv_heads, slots, hd, center, sink=0, v_center=False):
+    """A layer cache filled with random keys/values. `center`: centred and balanced keys
+    (pre-RoPE mean, channel scales); `sink`: dense sink slots in turbo stores; `v_center`:
+    centred values."""
+    shape = kvc.StoreShape(batch, kv_heads, slots, hd, layer=1, sink_tokens=sink)
+    kshape, vshape = shape, shape
     if center:
         inv_freq = (10000.0 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32)
         kshape = dataclasses.replace(shape, center=3 * RNG.normal(size=(kv_heads, hd)),
-                                     inv_freq=inv_freq)
+                                     inv_freq=inv_freq,
+                                     chan_scale=RNG.uniform(0.5, 2.0, (kv_heads, hd)))
+    if v_center:
+        vshape = dataclasses.replace(shape, center=RNG.normal(size=(kv_heads, hd)))
     k = kvc.STORE_FACTORIES[k_type](kshape)
-    v = kvc.STORE_FACTORIES[v_type](shape)
+    v = kvc.STORE_FACTORIES[v_type](vshape)
     data = lambda: jnp.asarray(RNG.normal(size=(batch, kv_heads, slots, hd)), jnp.float32)  # noqa: E731
     zero = jnp.zeros(batch, jnp.int32)
     return kvc.LayerCache(kvs.write(k, data(), zero), kvs.write(v, data(), zero))
@@ -109,20 +115,24 @@ def reference_attention(layer, q, positions):
 
 
 ATTENTION_CASES = [
-    # k, v, hd, G (query heads per KV head), slots, centred keys, splits
-    ("turbo4", "turbo3", 64, 3, 100, True, 2),
-    ("turbo2", "turbo4", 128, 7, 50, False, None),
-    ("turbo3.5", "turbo2.5", 64, 1, 37, True, 3),
-    ("bf16", "bf16", 64, 7, 45, False, 2),
+    # k, v, hd, G (query heads per KV head), slots, centred+balanced keys, splits, sink slots,
+    # centred values
+    ("turbo4", "turbo3", 64, 3, 70, True, 2, 4, True),
+    ("turbo2", "turbo4", 128, 7, 50, False, None, 0, False),
+    ("turbo3.5", "turbo2.5", 64, 1, 37, True, 3, 0, False),
+    ("turbo3", "bf16", 64, 2, 40, True, 2, 3, False),
+    ("bf16", "bf16", 64, 7, 45, False, 2, 0, False),
 ]
 
 
-@pytest.mark.parametrize("k_type,v_type,hd,g,slots,center,splits", ATTENTION_CASES)
-def test_decode_attention_matches_reference(k_type, v_type, hd, g, slots, center, splits):
-    batch, kv_heads = 3, 2
-    layer = filled_layer(k_type, v_type, batch, kv_heads, slots, hd, center)
+@pytest.mark.parametrize("k_type,v_type,hd,g,slots,center,splits,sink,v_center",
+                         ATTENTION_CASES)
+def test_decode_attention_matches_reference(k_type, v_type, hd, g, slots, center, splits, sink,
+                                            v_center):
+    batch, kv_heads = 2, 2
+    layer = filled_layer(k_type, v_type, batch, kv_heads, slots, hd, center, sink, v_center)
     q = jnp.asarray(RNG.normal(size=(batch, kv_heads * g, hd)), jnp.float32)
-    positions = jnp.asarray([slots - 1, 0, slots // 2 + 3], jnp.int32)  # ragged lengths
+    positions = jnp.asarray([slots - 1, 1], jnp.int32)  # ragged: full cache, sinks only
     got = ta.turbo_decode_attention(q, layer.k, layer.v, positions, block=16, splits=splits)
     want = reference_attention(layer, q, positions)
     chex.assert_shape(got, q.shape)
@@ -198,21 +208,22 @@ def quantize_tq(w: jax.Array, bits: int = 4, group: int = 32) -> QuantizedLinear
 
 
 def test_greedy_text_identical_with_pallas_backend():
-    """Tiny Qwen3 with tq4 weights and a centred turbo3-K / turbo4-V cache, ragged batch."""
+    """Tiny Qwen3 with tq4 weights and a calibrated turbo3-K / turbo4-V cache (centred and
+    balanced keys, centred values, 2 sink slots), ragged batch."""
     model = tqjax.load(GOLDEN / "tiny" / "qwen3")
     names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     layers = [lp.replace(**{n: quantize_tq(getattr(lp, n)) for n in names})
               for lp in model.params.layers]
     params = model.params.replace(layers=layers)
-    spec = tqjax.CacheSpec(k="turbo3", v="turbo4")
-    centres = key_centers(params, model.config, list(range(3, 60)))
+    spec = tqjax.CacheSpec(k="turbo3", v="turbo4", sink_tokens=2)
+    calibration = calibrate(params, model.config, list(range(3, 60)))
 
     def greedy():
         last = None
         for seqs, _, _ in generate_tokens(params, model.config, [[5, 17, 99, 3, 42], [7, 8]],
-                                          max_new_tokens=6, sampling=SamplingParams(),
+                                          max_new_tokens=4, sampling=SamplingParams(),
                                           eos_ids=(), ctx_size=256, cache_spec=spec,
-                                          key_centers=centres):
+                                          calibration=calibration):
             last = [list(s.ids) for s in seqs]
         return last
 

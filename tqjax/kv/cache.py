@@ -214,10 +214,7 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
     layer = LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), start),
                        kvs.write(layer.v, v.transpose(0, 2, 1, 3), start))
     if (t == 1 and resolve_backend(backend) == "pallas"
-            and turbo_attention.supported(q.shape, layer.k, layer.v)
-            and not any(getattr(st, "sink", None) is not None for st in (layer.k, layer.v))
-            and getattr(layer.v, "center", None) is None
-            and getattr(layer.k, "chan_scale", None) is None):
+            and turbo_attention.supported(q.shape, layer.k, layer.v)):
         out = turbo_attention.turbo_decode_attention(q[:, 0], layer.k, layer.v, start)
         return out[:, None].astype(q.dtype), layer
     qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)

@@ -8,7 +8,8 @@ plain JAX merges the splits. Per block of `block` slots:
 
 - keys: gather each code's byte(s) from the packed rows (code c of a segment starts at stream bit
   c·bits; two bytes when bits does not divide 8), look the code up in the centroid table, and
-  score the rotated query: ⟨Πq, scale·c⟩ = (Πq · c) · scale;
+  score the rotated query: ⟨Πq, scale·c⟩ = (Πq · c) · scale (q∘s for balanced keys, which
+  store k/s);
 - centred keys (`center` set): add ⟨q, R_s μ⟩. With a = q₁μ₁ + q₂μ₂, b = q₂μ₁ − q₁μ₂ (halves of
   the head dim) this is Σᵢ aᵢ cos(s ωᵢ) + bᵢ sin(s ωᵢ); per block, the coefficients are rotated by
   the block start s₀ (angle addition) and dotted with a fixed [block, hd] table of cos/sin(t ω),
@@ -19,6 +20,10 @@ plain JAX merges the splits. Per block of `block` slots:
 Dense (f32/bf16/f16) K or V operands take the same path with plain rows (the baseline).
 Split quantizers (fractional rates) are packed segment by segment; each channel knows its
 segment's bit offset, width and centroid table, so one gather handles both segments.
+
+Stores with dense sink slots (`sink` [B, KV, n, hd]: the first n slots kept exact) are handled
+in plain JAX as one more softmax partial (the kernel skips those slots), and a value centre μ_v
+(`center` on a value store) is added back as (Σ p over the packed slots)·μ_v in the combine.
 """
 
 from __future__ import annotations
@@ -49,8 +54,10 @@ class TurboLike(Protocol):
     packed: jax.Array  # [B, KV, S, bytes] uint8
     scale: jax.Array  # [B, KV, S] f16
     quantizer: TurboQuantizer
-    center: jax.Array | None  # [KV, hd] pre-RoPE key centre (keys only)
-    inv_freq: jax.Array | None  # [hd/2]
+    center: jax.Array | None  # [KV, hd]: keys pre-RoPE (inv_freq set), values constant
+    inv_freq: jax.Array | None  # [hd/2], keys only
+    chan_scale: jax.Array | None  # [KV, hd] key channel scales s: stores k/s, scores q∘s
+    sink: jax.Array | None  # [B, KV, n, hd] f16: the first n slots, exact
 
 
 class DenseLike(Protocol):
@@ -115,7 +122,7 @@ def _rows(refs: tuple, layout: Layout, slots: jax.Array, hd: int) -> tuple[jax.A
 
 def _kernel(pos_ref: object, q_ref: object, centre_refs: tuple | None, k_refs: tuple,
             v_refs: tuple, o_ref: object, m_ref: object, l_ref: object, *, k_layout: Layout,
-            v_layout: Layout, block: int, blocks_per_split: int, slots: int) -> None:
+            v_layout: Layout, block: int, blocks_per_split: int, slots: int, skip: int) -> None:
     split = pl.program_id(2)
     pos = jnp.minimum(pos_ref[0], slots - 1)
     q = q_ref[...]  # [Gp, hd] f32, rotated (packed keys) and pre-scaled by 1/√hd
@@ -134,7 +141,7 @@ def _kernel(pos_ref: object, q_ref: object, centre_refs: tuple | None, k_refs: t
             phase = (blk * block).astype(jnp.float32) * freq_ref[...]  # [hd]
             coef = c_ref[...] * jnp.cos(phase)[None, :] + d_ref[...] * jnp.sin(phase)[None, :]
             s = s + plgpu.dot(coef, trig_ref[...], trans_b=True)
-        s = jnp.where((idx <= pos)[None, :], s, NEG)
+        s = jnp.where(((idx >= skip) & (idx <= pos))[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -147,12 +154,24 @@ def _kernel(pos_ref: object, q_ref: object, centre_refs: tuple | None, k_refs: t
 
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, pos // block + 1)
+    first = jnp.maximum(first, skip // block)  # blocks of sink slots only
     init = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), NEG, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
     o, m, lsum = jax.lax.fori_loop(first, last, body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = lsum
+
+
+def _sink_slots(store: TurboLike | DenseLike) -> int:
+    sink = getattr(store, "sink", None)
+    return 0 if sink is None else sink.shape[2]
+
+
+def _prefix(store: TurboLike | DenseLike, n: int) -> jax.Array:
+    """The first n slots, exact: f32 [B, KV, n, hd] (a packed store's sink, or dense rows)."""
+    rows = store.sink if hasattr(store, "quantizer") else store.data[:, :, :n]
+    return rows.astype(jnp.float32)
 
 
 def _operand(store: TurboLike | DenseLike) -> tuple[Layout, tuple[jax.Array, ...]]:
@@ -187,7 +206,8 @@ def supported(q_shape: tuple[int, ...], k_store: object, v_store: object) -> boo
             ok = ok and store.quantizer.dim == hd
         else:
             ok = ok and hasattr(store, "data") and store.data.shape[-1] == hd
-    return ok
+    sinks = {_sink_slots(st) for st in (k_store, v_store) if hasattr(st, "quantizer")}
+    return ok and len(sinks) <= 1  # packed stores agree on their sink slots
 
 
 def choose_splits(batch: int, kv_heads: int, slots: int, block: int) -> int:
@@ -209,10 +229,14 @@ def _decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
     g = h // kv
     gp = max(16, 1 << (g - 1).bit_length())
     qf = q.astype(jnp.float32).reshape(b, kv, g, hd)
-    qk = rotate(qf, k_store.quantizer.rotation) if k_layout.segments else qf
+    qk = qf
+    if k_layout.segments:
+        if getattr(k_store, "chan_scale", None) is not None:
+            qk = qk * k_store.chan_scale[None, :, None, :]
+        qk = rotate(qk, k_store.quantizer.rotation)
     qk = jnp.pad(qk * hd**-0.5, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     centre = None
-    if getattr(k_store, "center", None) is not None:
+    if getattr(k_store, "inv_freq", None) is not None:
         qc = jnp.pad(qf * hd**-0.5, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
         centre = _centre_terms(qc, k_store.center, k_store.inv_freq, block)
     blocks = -(-slots // block)
@@ -231,8 +255,9 @@ def _decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
                                                 whole(centre[3]))
     split_out = lambda *tail: pl.BlockSpec(  # noqa: E731
         (None, None, None, *tail), lambda i, j, s: (s, i, j) + (0,) * len(tail))
+    skip = max(_sink_slots(k_store), _sink_slots(v_store))
     kernel = functools.partial(_kernel, k_layout=k_layout, v_layout=v_layout, block=block,
-                               blocks_per_split=per_split, slots=slots)
+                               blocks_per_split=per_split, slots=slots, skip=skip)
     o, m, lsum = pl.pallas_call(
         kernel,
         grid=(b, kv, splits),
@@ -246,13 +271,25 @@ def _decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
         interpret=interpret,
         name="turbo_decode_attention",
     )(positions.astype(jnp.int32), qk, centre, k_args, v_args)
-    top = jnp.max(m, axis=0)
-    weight = jnp.exp(m - top[None])  # [splits, B, KV, Gp]
-    out = jnp.sum(o * weight[..., None], axis=0) / jnp.sum(lsum * weight, axis=0)[..., None]
-    out = out[:, :, :g]
+    o, m, lsum = o[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g]
+    top = jnp.max(m, axis=0)  # [B, KV, G]
+    if skip:  # the exact sink slots: one more softmax partial, in the original basis
+        s = jnp.einsum("bkgd,bksd->bkgs", qf * hd**-0.5, _prefix(k_store, skip))
+        visible = jnp.arange(skip)[None, :] <= positions[:, None]  # [B, n]
+        s = jnp.where(visible[:, None, None, :], s, NEG)
+        top = jnp.maximum(top, jnp.max(s, axis=-1))
+        p_sink = jnp.exp(s - top[..., None])
+    weight = jnp.exp(m - top[None])  # [splits, B, KV, G]
+    num = jnp.sum(o * weight[..., None], axis=0)
+    den = jnp.sum(lsum * weight, axis=0)
     if v_layout.segments:
-        out = unrotate(out, v_store.quantizer.rotation)
-    return out.reshape(b, h, hd)
+        num = unrotate(num, v_store.quantizer.rotation)
+        if v_store.center is not None:  # centred values: Σ p (v̂ + μ_v) over the packed slots
+            num = num + den[..., None] * v_store.center[None, :, None, :]
+    if skip:
+        num = num + jnp.einsum("bkgs,bksd->bkgd", p_sink, _prefix(v_store, skip))
+        den = den + jnp.sum(p_sink, axis=-1)
+    return (num / den[..., None]).reshape(b, h, hd)
 
 
 def turbo_decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
