@@ -23,6 +23,7 @@ from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, forward
 
 PAD_MULTIPLE = 64  # prompt lengths are padded to this multiple to bound recompilation
+PREFILL_CHUNK = 512  # long prompts are prefilled in chunks: bounded memory, one compilation
 
 
 def padded_length(n: int, multiple: int = PAD_MULTIPLE) -> int:
@@ -37,12 +38,32 @@ def new_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, 
                       calibration=calibration, inv_freq=np.asarray(params.rope_inv_freq))
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
-def prefill(params: Params, config: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(5,))
+def prefill_chunk(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
+                  out_index: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """tokens int32 [B, T] at positions start..start+T-1 -> logits [B, V] at out_index [B]."""
+    return forward(params, config, tokens, start, cache, out_index=out_index)
+
+
+def prefill(params: Params, config: ModelConfig, tokens: np.ndarray, lengths: np.ndarray,
             cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """tokens int32 [B, T] (right-padded), lengths int32 [B] -> last-token logits [B, V]."""
-    start = jnp.zeros_like(lengths)
-    return forward(params, config, tokens, start, cache, out_index=lengths - 1)
+    """Right-padded prompts tokens int32 [B, T], lengths [B] -> each prompt's last-token
+    logits [B, V], in chunks of PREFILL_CHUNK tokens."""
+    batch, total = tokens.shape
+    chunk = min(total, PREFILL_CHUNK)
+    last = np.asarray(lengths) - 1
+    logits = None
+    for c0 in range(0, total, chunk):
+        part = tokens[:, c0:c0 + chunk]
+        if part.shape[1] < chunk:
+            part = np.pad(part, ((0, 0), (0, chunk - part.shape[1])))
+        out_index = np.clip(last - c0, 0, chunk - 1).astype(np.int32)
+        chunk_logits, cache = prefill_chunk(params, config, jnp.asarray(part),
+                                            jnp.full(batch, c0, jnp.int32),
+                                            jnp.asarray(out_index), cache)
+        here = jnp.asarray((last >= c0) & (last < c0 + chunk))[:, None]
+        logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
+    return logits, cache
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
@@ -123,13 +144,15 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
         seen[b, p] = True
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    cache = new_cache(params, config, cache_spec, batch, max(slots, tokens.shape[1]),
-                      calibration)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    written = tokens.shape[1]  # prefill writes whole (padded) chunks
+    if written > PREFILL_CHUNK:
+        written = -(-written // PREFILL_CHUNK) * PREFILL_CHUNK
+    cache = new_cache(params, config, cache_spec, batch, max(slots, written), calibration)
     key = jax.random.PRNGKey(sampling.seed)
 
     t0 = time.perf_counter()
-    logits, cache = prefill(params, config, jnp.asarray(tokens), lengths, cache)
+    logits, cache = prefill(params, config, tokens, lengths, cache)
     key, sub = jax.random.split(key)
     nxt = sample(logits, jnp.asarray(seen), sub, sampling)
     seen_j = jnp.asarray(seen).at[jnp.arange(batch), nxt].set(True)

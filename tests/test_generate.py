@@ -1,0 +1,104 @@
+"""Generation: chunked prefill, ragged batches, sampling rules, streaming and stop strings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tqjax
+from tqjax.decode import generate as gen
+from tqjax.decode.sampling import SamplingParams, apply_repeat_penalty, sample
+from tqjax.errors import TqjaxError
+
+from .conftest import GOLDEN
+from .test_cli import make_byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tqjax.load(GOLDEN / "tiny" / "llama")
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    import shutil
+
+    d = tmp_path_factory.mktemp("tiny") / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    return tqjax.load(d)
+
+
+def greedy(model, prompts, n=6):
+    steps = list(gen.generate_tokens(model.params, model.config, prompts, max_new_tokens=n,
+                                     sampling=SamplingParams(), eos_ids=(), ctx_size=256))
+    return [s.ids for s in steps[-1][0]]
+
+
+def test_ragged_batch_and_chunked_prefill_match_full_logits(model, monkeypatch):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, 150).tolist(), rng.integers(0, 256, 70).tolist()]
+    one_chunk = greedy(model, prompts)
+    monkeypatch.setattr(gen, "PREFILL_CHUNK", 64)
+    assert greedy(model, prompts) == one_chunk
+    for prompt, ids in zip(prompts, one_chunk, strict=True):
+        seq = list(prompt)
+        for t in ids:  # every greedy token is the argmax of an independent full forward
+            assert tqjax.logits(model, seq)[-1].argmax() == t
+            seq.append(t)
+
+
+def test_sampling_rules():
+    logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0]])
+    seen = jnp.zeros((1, 4), bool)
+    key = jax.random.PRNGKey(0)
+    assert int(sample(logits, seen, key, SamplingParams())[0]) == 0
+    assert int(sample(logits, seen, key, SamplingParams(temperature=5.0, top_k=1))[0]) == 0
+    assert int(sample(logits, seen, key, SamplingParams(temperature=5.0, top_p=0.01))[0]) == 0
+    assert int(sample(logits, seen, key, SamplingParams(temperature=1.0, min_p=0.9))[0]) == 0
+    draws = [int(sample(logits, seen, jax.random.PRNGKey(i), SamplingParams(temperature=1.0,
+                                                                           top_k=2))[0])
+             for i in range(200)]
+    assert set(draws) == {0, 1}
+    assert 0.6 < draws.count(0) / 200 < 0.85  # softmax([2, 1]) = 0.73
+    pen = apply_repeat_penalty(logits, jnp.asarray([[True, False, False, True]]), 2.0)
+    np.testing.assert_allclose(pen, [[1.0, 1.0, 0.5, -2.0]])
+    seen0 = jnp.asarray([[True, False, False, False]])
+    assert int(sample(logits, seen0, key, SamplingParams(repeat_penalty=4.0))[0]) == 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.01),
+                                    dict(min_p=1.0), dict(top_k=-1), dict(repeat_penalty=0.0),
+                                    dict(temperature=float("nan"))])
+def test_invalid_sampling_values(kwargs):
+    with pytest.raises(TqjaxError):
+        SamplingParams(**kwargs)
+
+
+def test_seeded_sampling_is_reproducible(text_model):
+    a = tqjax.generate(text_model, "abc", max_new_tokens=8, temperature=1.0, seed=3)
+    b = tqjax.generate(text_model, "abc", max_new_tokens=8, temperature=1.0, seed=3)
+    c = tqjax.generate(text_model, "abc", max_new_tokens=8, temperature=1.0, seed=4)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_streaming_pieces_add_up_and_stop_strings_cut(text_model):
+    pieces = []
+    res = tqjax.generate(text_model, "hello", max_new_tokens=12, on_text=pieces.append)
+    assert "".join(pieces) == res.text and len(res.text) >= 5
+    stop = res.text[3:5]
+    cut = tqjax.generate(text_model, "hello", max_new_tokens=12, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == res.text[: res.text.find(stop)]
+
+
+def test_batch_generate_returns_one_result_per_prompt(text_model):
+    out = tqjax.generate(text_model, ["a", "longer prompt"], max_new_tokens=4)
+    single = tqjax.generate(text_model, "longer prompt", max_new_tokens=4)
+    assert len(out) == 2 and out[1].token_ids == single.token_ids
+
+
+def test_context_limits(text_model):
+    with pytest.raises(TqjaxError, match="longer than the context"):
+        tqjax.generate(text_model, "x" * 30, ctx_size=16)
+    res = tqjax.generate(text_model, "x" * 10, ctx_size=16, max_new_tokens=50)
+    assert res.finish_reason == "length" and res.prompt_tokens + res.generated_tokens <= 16
