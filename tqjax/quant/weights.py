@@ -9,21 +9,44 @@ and, when `rotation` is set, W is stored for the *rotated* input: x @ W ≈ rot(
 applies the same randomized Hadamard to every group of `group` input features. Codes are packed
 along the input axis with `tqjax.quant.packing` (a group of 8 rows of 3-bit codes fills 3 bytes).
 The input dim is zero-padded up to a multiple of `group` (`in_features` keeps the true size).
+
+Quantizers (`quantize_linear`) produce this format for a `WeightFormat`:
+- "tq": TurboQuant. Rows are rotated per group by the shared randomized Hadamard
+  (`tqjax.quant.rotation`), codes index the Lloyd–Max codebook of one coordinate of a random unit
+  vector in R^group times √group (`tqjax.quant.codebook`), and each group's scale is searched to
+  minimise the (importance-weighted) squared error, then refitted by least squares.
+- "sym": integer levels −2^(b−1)..2^(b−1)−1, scale = the group's signed absmax / −2^(b−1)
+  (llama.cpp's Q4_0 rule; int8 with group 0 is per-output-channel absmax).
+- "affine": levels 0..2^b−1, scale = (max − min)/(2^b − 1), offset = min (Q4_1).
+With a Hessian H = Σ x xᵀ of the layer's inputs (calibration text), codes are chosen by GPTQ
+(Frantar et al. 2022) in the stored (rotated) basis: rows are quantized in order and each row's
+error, weighted by the inverse Hessian's Cholesky factor, is pushed onto the rows not yet
+quantized; a group's scale is fitted when its first row is reached.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from tqjax.errors import TqjaxError
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
-from tqjax.quant.packing import unpack_bits
-from tqjax.quant.rotation import Rotation, rotate
+from tqjax.quant.codebook import lloyd_max
+from tqjax.quant.packing import pack_bits, unpack_bits
+from tqjax.quant.rotation import Rotation, make_rotation, rotate, unrotate
+
+KINDS = ("tq", "sym", "affine")
+SCALE_DTYPE = jnp.float16
+SCALE_BITS = 16
 
 
 @struct.dataclass
@@ -83,3 +106,275 @@ def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
             return dequant_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
         return jnp.dot(xr, dequantize_weight(w).astype(x.dtype))
     return jnp.dot(x, w.astype(x.dtype))
+
+
+def effective_weight(w: QuantizedLinear) -> jax.Array:
+    """The dense weight the quantized one stands for, f32 [in_features, N] (original basis)."""
+    v = dequantize_weight(w)
+    if w.rotation is not None:
+        k, n = v.shape
+        v = unrotate(v.T.reshape(n, k // w.group, w.group), w.rotation).reshape(n, k).T
+    return v[: w.in_features]
+
+
+# ---------------------------------------------------------------- formats
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How one linear is quantized: `kind` in KINDS (see the module docstring), `bits` per weight
+    (1..8), `group` input rows per scale (a multiple of 8; 0 = the whole input dim, "sym" and
+    "affine" only; "tq" needs a power of two for the Hadamard rotation)."""
+
+    kind: str
+    bits: int
+    group: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise TqjaxError(f"unknown weight format kind {self.kind!r} (choose from {KINDS})")
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise TqjaxError(f"weight bits must be an integer in 1..8, got {self.bits!r}")
+        g = self.group
+        if not isinstance(g, int) or g < 0 or g % 8 or (self.kind == "tq" and g & (g - 1)):
+            need = "a power of two >= 8" if self.kind == "tq" else "0 or a multiple of 8"
+            raise TqjaxError(f"{self.kind} group size must be {need}, got {g!r}")
+        if self.kind == "tq" and g == 0:
+            raise TqjaxError("tq needs a group size (a power of two >= 8), not 0")
+
+    @property
+    def name(self) -> str:
+        """Short label, e.g. "tq4g64", "sym8" (per channel), "affine4g32"."""
+        return f"{self.kind}{self.bits}" + (f"g{self.group}" if self.group else "")
+
+    def group_size(self, in_features: int) -> int:
+        return self.group or in_features
+
+    def padded_in(self, in_features: int) -> int:
+        g = self.group_size(in_features)
+        return -(-in_features // g) * g
+
+    def tensor_bits(self, in_features: int, out_features: int) -> int:
+        """Bits stored for one [in, out] weight: codes, scales and offsets (not the lut or the
+        rotation, which are shared by every tensor of the format)."""
+        k = self.padded_in(in_features)
+        per_scale = SCALE_BITS * (2 if self.kind == "affine" else 1)
+        return out_features * (k * self.bits + k // self.group_size(in_features) * per_scale)
+
+
+@functools.lru_cache(maxsize=64)
+def format_lut(fmt: WeightFormat) -> jax.Array:
+    """Code -> value table f32 [2^bits], ascending (shared: one array per format)."""
+    if fmt.kind == "tq":
+        values = lloyd_max(fmt.bits, fmt.group).centroids * math.sqrt(fmt.group)
+    elif fmt.kind == "sym":
+        values = np.arange(-(1 << (fmt.bits - 1)), 1 << (fmt.bits - 1))
+    else:
+        values = np.arange(1 << fmt.bits)
+    return jnp.asarray(values, jnp.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def format_rotation(group: int, seed: int) -> Rotation:
+    """The rotation shared by every "tq" tensor with this group size and seed."""
+    return make_rotation(group, seed)
+
+
+# ---------------------------------------------------------------- quantizing
+
+
+def _assign(x: jax.Array, lut: jax.Array) -> jax.Array:
+    """Index of the nearest lut value for each element of x (lut ascending) -> uint8."""
+    method = "compare_all" if lut.shape[0] <= 16 else "scan_unrolled"
+    return jnp.searchsorted(0.5 * (lut[1:] + lut[:-1]), x, method=method).astype(jnp.uint8)
+
+
+def _safe(x: jax.Array) -> jax.Array:
+    return jnp.where(x != 0, x, 1.0)
+
+
+_SEARCH = np.linspace(0.7, 1.3, 25)  # "tq" scale candidates, relative to the group's rms
+
+
+def _fit_groups(v: jax.Array, h: jax.Array, lut: jax.Array,
+                kind: str) -> tuple[jax.Array, jax.Array | None]:
+    """Scales (and offsets) for groups v f32 [..., G, N] with row importances h [..., G, 1].
+
+    Returns f16-representable f32 scale [..., N] and offset [..., N] (affine) or None.
+    """
+    if kind == "affine":
+        lo, hi = jnp.min(v, axis=-2), jnp.max(v, axis=-2)
+        scale = _f16((hi - lo) / (lut.shape[0] - 1))
+        return scale, _f16(lo)
+    if kind == "sym":
+        pick = jnp.argmax(jnp.abs(v), axis=-2)[..., None, :]
+        return _f16(jnp.take_along_axis(v, pick, axis=-2)[..., 0, :] / lut[0]), None
+    rms = jnp.sqrt(jnp.sum(h * v * v, axis=-2) / _safe(jnp.sum(h, axis=-2)))
+
+    def error(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        s = _safe(scale)[..., None, :]
+        c = lut[_assign(v / s, lut)]
+        return jnp.sum(h * (v - s * c) ** 2, axis=-2), c
+
+    def search(best: tuple[jax.Array, jax.Array], alpha: jax.Array) -> tuple:
+        err, _ = error(alpha * rms)
+        take = err < best[0]
+        return (jnp.where(take, err, best[0]), jnp.where(take, alpha * rms, best[1])), None
+
+    init = (jnp.full(rms.shape, jnp.inf), rms)
+    (_, scale), _ = jax.lax.scan(search, init, jnp.asarray(_SEARCH, jnp.float32))
+    _, c = error(scale)  # least-squares refit of the scale for the chosen codes
+    refit = jnp.sum(h * v * c, axis=-2) / _safe(jnp.sum(h * c * c, axis=-2))
+    return _f16(jnp.where(jnp.sum(h * c * c, axis=-2) > 0, refit, scale)), None
+
+
+def _f16(x: jax.Array) -> jax.Array:
+    """Round to the stored scale precision (so codes are chosen for the scale that is stored)."""
+    return x.astype(SCALE_DTYPE).astype(jnp.float32)
+
+
+def _codes(v: jax.Array, scale: jax.Array, offset: jax.Array | None,
+           lut: jax.Array) -> jax.Array:
+    """Codes for v [..., N] given scale/offset [..., N] (broadcast) -> uint8."""
+    if offset is not None:
+        v = v - offset
+    return _assign(v / _safe(scale), lut)
+
+
+def _values(codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
+            lut: jax.Array) -> jax.Array:
+    out = scale * lut[codes.astype(jnp.int32)]
+    return out if offset is None else out + offset
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "group"))
+def _round_to_nearest(w: jax.Array, h: jax.Array, lut: jax.Array, kind: str,
+                      group: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """w f32 [K, N] (stored basis), row importances h [K] -> codes [K, N], scale, offset."""
+    k, n = w.shape
+    v = w.reshape(k // group, group, n)
+    scale, offset = _fit_groups(v, h.reshape(k // group, group, 1), lut, kind)
+    s = scale[:, None]
+    codes = _codes(v, s, None if offset is None else offset[:, None], lut)
+    return codes.reshape(k, n), scale, offset
+
+
+@struct.dataclass
+class HessianFactor:
+    """A layer-input Hessian prepared for GPTQ in one stored basis (see `hessian_factor`)."""
+
+    upper: jax.Array  # [K_pad, K_pad] f32 upper-triangular U with Uᵀ U = (H + λI)⁻¹
+    importance: jax.Array  # [K_pad] f32 diagonal of H + λI (weights of the scale search)
+    dead: jax.Array  # [K_pad] bool: inputs that are always zero (their weights are dropped)
+    group: int = struct.field(pytree_node=False, default=64)
+    rotated: bool = struct.field(pytree_node=False, default=False)
+
+
+@jax.jit
+def _factor(hessian: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k = hessian.shape[0]
+    diag = jnp.diag(hessian)
+    dead = diag <= 0
+    hessian = hessian + jnp.diag(jnp.where(dead, 1.0, 0.0))
+    hessian = hessian + damp * jnp.mean(jnp.diag(hessian)) * jnp.eye(k)
+    # Upper U with Uᵀ U = H⁻¹ from one Cholesky of the index-reversed H: U = J L⁻¹ J.
+    low = jnp.linalg.cholesky(hessian[::-1, ::-1])
+    upper = jax.scipy.linalg.solve_triangular(low, jnp.eye(k), lower=True)[::-1, ::-1]
+    return upper, jnp.diag(hessian), dead
+
+
+def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
+                   damp: float = 0.01) -> HessianFactor:
+    """Prepare H = Σ x xᵀ f32 [K, K] (a layer's calibration inputs) for GPTQ on `fmt`: moved to
+    the stored basis (padded, rotated per group for "tq"), dampened by `damp`·mean(diag H) and
+    factored. Reusable for every weight with the same input and basis (q/k/v, gate/up)."""
+    k = hessian.shape[0]
+    if hessian.shape != (k, k):
+        raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
+    hr = to_stored_basis(to_stored_basis(hessian, fmt, seed).T, fmt, seed)
+    upper, importance, dead = _factor(hr, damp)
+    return HessianFactor(upper, importance, dead, fmt.group_size(k), fmt.kind == "tq")
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _gptq(w: jax.Array, factor: HessianFactor, lut: jax.Array,
+          kind: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """GPTQ: w f32 [K, N] in the stored basis -> codes [K, N], scale, offset (per group)."""
+    k, n = w.shape
+    group, u = factor.group, factor.upper
+    w = jnp.where(factor.dead[:, None], 0.0, w)
+    rows = jnp.arange(group)
+
+    def block(w: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple]:
+        start = b * group
+        wb = jax.lax.dynamic_slice(w, (start, 0), (group, n))
+        ub = jax.lax.dynamic_slice(u, (start, 0), (group, k))
+        uu = jax.lax.dynamic_slice(ub, (0, start), (group, group))
+        hb = jax.lax.dynamic_slice(factor.importance, (start,), (group,))
+        scale, offset = _fit_groups(wb, hb[:, None], lut, kind)
+
+        def row(i: jax.Array, state: tuple) -> tuple:
+            wb, err, codes = state
+            c = _codes(wb[i], scale, offset, lut)
+            e = (wb[i] - _values(c, scale, offset, lut)) / uu[i, i]
+            wb = wb - jnp.where((rows > i)[:, None], uu[i][:, None] * e[None, :], 0.0)
+            return wb, err.at[i].set(e), codes.at[i].set(c)
+
+        init = (wb, jnp.zeros((group, n)), jnp.zeros((group, n), jnp.uint8))
+        _, err, codes = jax.lax.fori_loop(0, group, row, init)
+        later = jnp.arange(k) >= start + group
+        w = w - jnp.where(later[None, :], ub, 0.0).T @ err
+        return w, (codes, scale, offset)
+
+    _, (codes, scale, offset) = jax.lax.scan(block, w, jnp.arange(k // group))
+    return codes.reshape(k, n), scale, offset
+
+
+def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array:
+    """Rows of x f32 [K, ...] (K = in_features) zero-padded to the format's padded input dim
+    and, for "tq", rotated per group: the basis the codes live in."""
+    k = x.shape[0]
+    kp = fmt.padded_in(k)
+    x = jnp.pad(x.astype(jnp.float32), [(0, kp - k)] + [(0, 0)] * (x.ndim - 1))
+    if fmt.kind != "tq":
+        return x
+    g = fmt.group
+    xt = jnp.moveaxis(x, 0, -1)
+    xt = rotate(xt.reshape(*xt.shape[:-1], kp // g, g), format_rotation(g, seed))
+    return jnp.moveaxis(xt.reshape(*xt.shape[:-2], kp), -1, 0)
+
+
+def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
+                    hessian: HessianFactor | None = None) -> QuantizedLinear:
+    """Quantize a dense weight w [K, N] ([in, out]) to `fmt`.
+
+    Without `hessian`: round to nearest with the format's scale rule ("tq": MSE-searched scale).
+    With a `hessian_factor` of this layer's inputs (same format basis): GPTQ, "tq" scales
+    weighted by the Hessian diagonal. `seed` picks the shared rotation ("tq" only).
+    """
+    if w.ndim != 2:
+        raise TqjaxError(f"quantize_linear needs a 2-D [in, out] weight, got shape {w.shape}")
+    k, n = w.shape
+    g = fmt.group_size(k)
+    if fmt.padded_in(k) * fmt.bits % 8:
+        raise TqjaxError(f"{fmt.name}: {k} input rows of {fmt.bits} bits do not fill bytes")
+    lut = format_lut(fmt)
+    wr = to_stored_basis(w, fmt, seed)
+    if hessian is None:
+        codes, scale, offset = _round_to_nearest(wr, jnp.ones(wr.shape[0]), lut, fmt.kind, g)
+    else:
+        if (hessian.upper.shape[0], hessian.group, hessian.rotated) != (
+                wr.shape[0], g, fmt.kind == "tq"):
+            raise TqjaxError(f"the Hessian factor was prepared for another basis than {fmt.name} "
+                             f"with {k} inputs")
+        codes, scale, offset = _gptq(wr, hessian, lut, fmt.kind)
+    return QuantizedLinear(
+        packed=pack_bits(codes.T, fmt.bits).T,
+        scale=scale.astype(SCALE_DTYPE),
+        lut=lut,
+        offset=None if offset is None else offset.astype(SCALE_DTYPE),
+        rotation=format_rotation(g, seed) if fmt.kind == "tq" else None,
+        bits=fmt.bits,
+        group=g,
+        in_features=k,
+    )
