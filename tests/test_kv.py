@@ -51,6 +51,8 @@ SPECS = [
     CacheSpec("turbo2", "turbo2"), CacheSpec("turbo3", "turbo3"), CacheSpec("turbo4", "turbo4"),
     CacheSpec("turbo2.5", "turbo3.5"), CacheSpec("turbo3", "turbo3", sink_tokens=3),
     CacheSpec("turbo4", "bf16", center_keys=False, balance_keys=False),
+    CacheSpec("turbo3-prod", "turbo4-prod"),
+    CacheSpec("turbo3", "turbo3", sink_tokens=0),
 ]
 
 
@@ -77,13 +79,14 @@ def test_attention_equals_attention_on_reconstruction(spec):
 
 @pytest.mark.parametrize("name,bits", [("turbo2", 2), ("turbo3", 3), ("turbo4", 4),
                                        ("turbo2.5", 2.5), ("turbo3.5", 3.5), ("q8", 8),
-                                       ("q4", 4), ("f16", 16)])
+                                       ("q4", 4), ("f16", 16), ("turbo3-prod", 3)])
 def test_bytes_per_token_exact(name, bits):
     layers, hd = 3, 64
     cache = make_cache(CacheSpec(name, name, center_keys=False, center_values=False,
                                  balance_keys=False),
                        batch=1, slots=32, num_layers=layers, kv_heads=KV, head_dim=hd)
-    scale_bits = {"q4": 2 * 16 / 32 * hd, "f16": 0}.get(name, 16)  # q4: fp16 step+min / 32
+    # q4: fp16 step+min per 32; prod: fp16 scale and residual norm
+    scale_bits = {"q4": 2 * 16 / 32 * hd, "f16": 0, "turbo3-prod": 32}.get(name, 16)
     want = layers * 2 * KV * (hd * bits + scale_bits) / 8
     assert bytes_per_token(cache) == want
     if name == "turbo3":

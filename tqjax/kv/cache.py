@@ -1,10 +1,12 @@
 """The KV cache: one key store and one value store per layer, and attention over them.
 
 Cache formats (`--cache-type-k/-v`): dense `f32`/`bf16`/`f16`; baselines `q8` (int8 absmax per
-token and head) and `q4` (affine 4-bit, groups of 32); TurboQuant `turbo2`/`turbo3`/`turbo4` and
-the fractional `turbo2.5`/`turbo3.5` (half the rotated channels one bit higher). Every compressed
-format stores one fp16 scale per vector. Turbo keys are centred by default (see
-`tqjax.kv.quantized`), which needs per-layer key centres from a calibration pass.
+token and head) and `q4` (affine 4-bit, groups of 32); TurboQuant `turbo2`/`turbo3`/`turbo4`, the
+fractional `turbo2.5`/`turbo3.5` (half the rotated channels one bit higher) and
+`turbo2-prod`..`turbo4-prod` (TurboQuant_prod: one of the bits is a QJL residual sign). Every
+compressed format stores one fp16 scale per vector (prod: two). Turbo stores are robust by
+default: keys centred and channel-balanced, values centred (per-layer statistics from a
+calibration pass) and the first 4 positions kept dense; see `tqjax.kv.quantized`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tqjax.kv import store as kvs
 from tqjax.kv.quantized import SCALE_DTYPE, Int4Store, Int8Store, TurboStore, pack_codes
 from tqjax.pallas import turbo_attention
 from tqjax.pallas.backend import resolve as resolve_backend
-from tqjax.quant.turboquant import make_split_quantizer
+from tqjax.quant.turboquant import make_prod_quantizer, make_split_quantizer
 
 DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -35,7 +37,8 @@ class CacheSpec:
     center_values: centre turbo values on calibrated means (exact: softmax weights sum to 1).
     balance_keys: per-channel key scales absorbed into the query, q·k = (q∘s)·(k/s), s from
         calibration, to even out key/query channel energies before rotation.
-    sink_tokens: the first N positions of turbo stores are kept dense (attention sinks).
+    sink_tokens: the first N positions of turbo stores are kept dense (attention sinks); a
+        fixed cost of N·KV·hd fp16 values per layer, independent of the context length.
     boundary_layers: the first and last N layers keep `boundary_type` instead.
     """
 
@@ -46,7 +49,7 @@ class CacheSpec:
     balance_keys: bool = True
     boundary_layers: int = 0
     boundary_type: str = "q8"
-    sink_tokens: int = 0
+    sink_tokens: int = 4
     seed: int = 0
 
     @property
@@ -103,11 +106,18 @@ def _int4_factory(s: StoreShape) -> Int4Store:
     return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8), zeros, zeros)
 
 
-def _turbo_factory(bits: int, half: bool) -> StoreFactory:
+def _turbo_factory(bits: int, half: bool, prod: bool = False) -> StoreFactory:
     def make(s: StoreShape) -> TurboStore:
-        q = make_split_quantizer(s.head_dim, bits, s.head_dim // 2 if half else 0,
-                                 seed=s.seed * 7919 + s.layer)
+        seed = s.seed * 7919 + s.layer
         lead = (s.batch, s.kv_heads, s.slots)
+        if prod:  # (bits-1)-bit MSE code + 1 QJL sign bit per channel
+            pq = make_prod_quantizer(s.head_dim, bits, seed=seed)
+            q, extra = pq.mse, dict(qjl=pq.qjl,
+                                    qjl_signs=jnp.zeros((*lead, s.head_dim // 8), jnp.uint8),
+                                    qjl_norm=jnp.zeros(lead, SCALE_DTYPE))
+        else:
+            q = make_split_quantizer(s.head_dim, bits, s.head_dim // 2 if half else 0, seed=seed)
+            extra = {}
         nbytes = pack_codes(q, jnp.zeros((1, s.head_dim), jnp.uint8)).shape[-1]
         return TurboStore(
             jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE), q,
@@ -115,7 +125,7 @@ def _turbo_factory(bits: int, half: bool) -> StoreFactory:
             inv_freq=None if s.inv_freq is None else jnp.asarray(s.inv_freq, jnp.float32),
             chan_scale=None if s.chan_scale is None else jnp.asarray(s.chan_scale, jnp.float32),
             sink=jnp.zeros((*lead[:2], s.sink_tokens, s.head_dim), SCALE_DTYPE)
-            if s.sink_tokens else None)
+            if s.sink_tokens else None, **extra)
 
     return make
 
@@ -125,6 +135,7 @@ STORE_FACTORIES: dict[str, StoreFactory] = {
     "q8": _int8_factory,
     "q4": _int4_factory,
     **{f"turbo{b}{h}": _turbo_factory(b, bool(h)) for b in (2, 3, 4) for h in ("", ".5")},
+    **{f"turbo{b}-prod": _turbo_factory(b, False, prod=True) for b in (2, 3, 4)},
 }
 
 
@@ -188,14 +199,22 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
 
 
 def bytes_per_token(cache: KVCache) -> float:
-    """Stored bytes per token slot, all layers, K+V (excludes per-layer constants)."""
+    """Stored bytes per token slot, all layers, K+V: every per-slot array ([B, KV, S, ...]);
+    per-layer constants (sink slots, centres, rotations, codebooks) are not included."""
     total = 0
     for layer in cache.layers:
         for st in (layer.k, layer.v):
-            for leaf in jax.tree_util.tree_leaves(st):
-                if leaf.ndim >= 3 and leaf.shape[2] == cache.slots:
+            for field in dataclasses.fields(st):
+                leaf = getattr(st, field.name)
+                if field.name != "sink" and isinstance(leaf, jax.Array) and leaf.ndim >= 3:
                     total += leaf.nbytes
     return total / cache.slots
+
+
+def constant_bytes(cache: KVCache) -> int:
+    """Bytes that do not grow with the context: sink slots, centres, rotations, codebooks."""
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) - int(
+        bytes_per_token(cache) * cache.slots)
 
 
 def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,

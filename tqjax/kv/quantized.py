@@ -11,6 +11,9 @@ contribution ⟨q, R_s μ⟩ is added back. Softmax does not change, but the lar
 that Qwen's k_proj bias puts on every key no longer eats the quantizer's range. Values may be
 centred the same way (no RoPE); μ_v is added back exactly since softmax weights sum to one.
 
+With `qjl` set the store is TurboQuant_prod: the (b−1)-bit MSE code plus one sign bit per
+channel of S·r (S Gaussian, r the residual) and ‖r‖, an unbiased inner-product estimator.
+
 The first `n_sink` slots can be kept dense: attention sinks (the first tokens, which most heads
 attend to heavily) then carry no quantization error, for a fixed cost per layer.
 """
@@ -25,7 +28,13 @@ from tqjax.kv import store as kvs
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.quant.packing import pack_bits, unpack_bits
 from tqjax.quant.rotation import rotate, unrotate
-from tqjax.quant.turboquant import TurboQuantizer, dequantize_rotated, quantize
+from tqjax.quant.turboquant import (
+    ProdQuantizer,
+    TurboQuantizer,
+    dequantize_rotated,
+    quantize,
+    quantize_prod,
+)
 
 SCALE_DTYPE = jnp.float16
 
@@ -95,7 +104,8 @@ def _(store: Int4Store, x: jax.Array, start: jax.Array) -> Int4Store:
 
 @struct.dataclass
 class TurboStore:
-    """TurboQuant_mse codes (packed) and per-vector scales, optionally key-centred."""
+    """TurboQuant codes (packed) and per-vector scales; optional centring, key balancing,
+    dense sink slots and QJL residual signs (TurboQuant_prod)."""
 
     packed: jax.Array  # [B, KV, S, packed bytes] uint8
     scale: jax.Array  # [B, KV, S] f16
@@ -104,6 +114,9 @@ class TurboStore:
     inv_freq: jax.Array | None = None  # [hd/2] f32 (keys): rotate `center` to each slot
     chan_scale: jax.Array | None = None  # [KV, hd] f32 key scales s: stores k/s, scores q∘s
     sink: jax.Array | None = None  # [B, KV, n_sink, hd] f16: the first slots kept dense
+    qjl: jax.Array | None = None  # [hd, hd] f32 Gaussian S (TurboQuant_prod)
+    qjl_signs: jax.Array | None = None  # [B, KV, S, hd/8] uint8 packed sign bits of S·r
+    qjl_norm: jax.Array | None = None  # [B, KV, S] f16 residual norms ‖r‖
 
 
 def segments(q: TurboQuantizer) -> list[tuple[int, int, int]]:
@@ -141,6 +154,15 @@ def _turbo_rotated(store: TurboStore) -> jax.Array:
     return dequantize_rotated(store.quantizer, codes, store.scale.astype(jnp.float32))
 
 
+def _qjl_terms(store: TurboStore) -> jax.Array:
+    """The QJL residual estimates (√(π/2)/d)·‖r‖·(2·signs − 1), f32 [B, KV, S, hd], in S-space
+    (apply Sᵀ to get back to the original space)."""
+    hd = store.quantizer.dim
+    pm = 2.0 * unpack_bits(store.qjl_signs, 1, hd).astype(jnp.float32) - 1.0
+    gain = (jnp.pi / 2) ** 0.5 / hd * store.qjl_norm.astype(jnp.float32)
+    return gain[..., None] * pm
+
+
 def write_sink(sink: jax.Array, x: jax.Array, start: jax.Array) -> jax.Array:
     """Copy the chunk x [B, KV, T, hd] (slots start..start+T-1) into the dense sink slots."""
     slot = jnp.arange(sink.shape[2])
@@ -159,7 +181,13 @@ def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
         x = x - _centre_at(store, positions).transpose(0, 2, 1, 3)
     if store.chan_scale is not None:
         x = x / store.chan_scale[None, :, None, :]
-    codes, scale = quantize(store.quantizer, x)
+    if store.qjl is not None:
+        codes, scale, signs, rnorm = quantize_prod(ProdQuantizer(store.quantizer, store.qjl), x)
+        store = store.replace(
+            qjl_signs=kvs.write_rows(store.qjl_signs, pack_bits(signs, 1), start),
+            qjl_norm=kvs.write_rows(store.qjl_norm, rnorm.astype(SCALE_DTYPE), start))
+    else:
+        codes, scale = quantize(store.quantizer, x)
     if store.sink is not None:
         store = store.replace(sink=write_sink(store.sink, raw, start))
     return store.replace(
@@ -172,6 +200,8 @@ def _(store: TurboStore, q: jax.Array) -> jax.Array:
     q = q.astype(jnp.float32)
     qs = q if store.chan_scale is None else q * store.chan_scale[None, :, None, :]
     s = jnp.einsum("bknd,bksd->bkns", rotate(qs, store.quantizer.rotation), _turbo_rotated(store))
+    if store.qjl is not None:
+        s = s + jnp.einsum("bknd,bksd->bkns", qs @ store.qjl.T, _qjl_terms(store))
     if store.center is not None:  # a key store: inv_freq is set
         centre = _centre_at(store, jnp.arange(store.scale.shape[2]))  # [S, KV, hd]
         s = s + jnp.einsum("bknd,skd->bkns", q, centre)
@@ -187,6 +217,9 @@ def _(store: TurboStore, p: jax.Array) -> jax.Array:
     n = 0 if store.sink is None else store.sink.shape[2]
     out = jnp.einsum("bkns,bksd->bknd", p.at[..., :n].set(0.0), _turbo_rotated(store))
     out = unrotate(out, store.quantizer.rotation)
+    if store.qjl is not None:
+        masked = p.at[..., :n].set(0.0)
+        out = out + jnp.einsum("bkns,bksd->bknd", masked, _qjl_terms(store)) @ store.qjl
     if store.center is not None:  # a value store: constant centre, weights sum to 1
         out = out + jnp.sum(p[..., n:], -1, keepdims=True) * store.center[None, :, None, :]
     if n:
@@ -222,6 +255,8 @@ def materialize(store: object) -> jax.Array:
     if isinstance(store, Int4Store):
         return _int4_values(store)
     x = unrotate(_turbo_rotated(store), store.quantizer.rotation)
+    if store.qjl is not None:
+        x = x + _qjl_terms(store) @ store.qjl
     if store.chan_scale is not None:
         x = x * store.chan_scale[None, :, None, :]
     if store.center is not None:

@@ -202,8 +202,8 @@ def supported(q_shape: tuple[int, ...], k_store: object, v_store: object) -> boo
     hd = q_shape[-1]
     ok = hd >= 16 and hd & (hd - 1) == 0
     for store in (k_store, v_store):
-        if hasattr(store, "quantizer"):
-            ok = ok and store.quantizer.dim == hd
+        if hasattr(store, "quantizer"):  # TurboQuant_prod (qjl) stays on the XLA path
+            ok = ok and store.quantizer.dim == hd and getattr(store, "qjl", None) is None
         else:
             ok = ok and hasattr(store, "data") and store.data.shape[-1] == hd
     sinks = {_sink_slots(st) for st in (k_store, v_store) if hasattr(st, "quantizer")}
