@@ -202,10 +202,17 @@ def build_params(tensors: dict[str, np.ndarray], config: ModelConfig, dtype: jnp
 
 def load_checkpoint(path: Path, dtype: str = "float32",
                     progress: bool = False) -> tuple[ModelConfig, Params, dict[str, Any]]:
-    """Load an HF directory or a .gguf file -> (config, params, GGUF metadata or {})."""
+    """Load an HF directory, a .gguf file or a quantized checkpoint directory -> (config,
+    params, GGUF metadata, quantization.json contents or {})."""
     jdtype = resolve_dtype(dtype)
     if not path.exists():
         raise TqjaxError(f"no such file or directory: {path}")
+    # --- quantized checkpoint directories (issue 4): tqjax.quant.checkpoint ---
+    from tqjax.quant import checkpoint
+
+    if checkpoint.is_quantized_checkpoint(path):
+        return checkpoint.load_quantized(path, dtype)
+    # --- end quantized checkpoints ---
     if path.is_dir():
         config, meta = read_hf_config(path), {}
         files = safetensors_files(path)

@@ -1,0 +1,357 @@
+"""Weight quantization: formats, quantizers, GPTQ, mixed allocation, params, checkpoints."""
+
+import dataclasses
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tqjax
+from tqjax.decode.generate import new_cache
+from tqjax.errors import TqjaxError
+from tqjax.fetch import PYTHON_STDLIB_MODULES
+from tqjax.models.tokenizer import tokenizer_from_gguf
+from tqjax.models.transformer import forward
+from tqjax.quant import checkpoint as ckpt
+from tqjax.quant.mixed import allocate, candidate_formats, relative_distortion
+from tqjax.quant.packing import unpack_bits
+from tqjax.quant.params import (
+    CALIBRATION_MODULES,
+    WeightSpec,
+    fisher_sensitivity,
+    get_path,
+    linear_paths,
+    params_bits,
+    quantize_params,
+    run_sequential,
+    weight_formats,
+)
+from tqjax.quant.weights import (
+    WeightFormat,
+    dequantize_weight,
+    effective_weight,
+    format_lut,
+    hessian_factor,
+    linear,
+    quantize_linear,
+)
+
+from .conftest import GOLDEN
+
+FORMATS = [WeightFormat("sym", 8, 0), WeightFormat("sym", 4, 32), WeightFormat("affine", 4, 32),
+           WeightFormat("tq", 4, 64), WeightFormat("tq", 3, 64), WeightFormat("tq", 2, 32)]
+TOKENS = list(range(3, 35))
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tqjax.load(GOLDEN / "tiny" / "qwen2_gqa7")  # hidden 112: padded to the group
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tiny):
+    return tqjax.logits(tiny, TOKENS)
+
+
+# ---------------------------------------------------------------- formats and quantizers
+
+
+@pytest.mark.parametrize("fmt,k", [(f, k) for f, k in zip(FORMATS, [40, 112, 112, 112, 64, 40],
+                                                            strict=True)],
+                         ids=lambda x: getattr(x, "name", str(x)))
+def test_quantize_linear_round_trip_and_padding(fmt, k):
+    w = np.random.default_rng(k).standard_normal((k, 24)).astype(np.float32)
+    q = quantize_linear(jnp.asarray(w), fmt)
+    g = fmt.group or k
+    k_pad = -(-k // g) * g
+    assert (q.in_features, q.padded_in, q.out_features, q.group) == (k, k_pad, 24, g)
+    assert q.packed.shape == (k_pad * fmt.bits // 8, 24) and q.packed.dtype == jnp.uint8
+    assert q.scale.shape == (k_pad // g, 24) and q.scale.dtype == jnp.float16
+    assert (q.offset is not None) == (fmt.kind == "affine")
+    assert (q.rotation is not None) == (fmt.kind == "tq")
+    codes = np.asarray(unpack_bits(q.packed.T, fmt.bits, k_pad).T)
+    # the reference dequantization is scale * lut[code] (+ offset) in the stored basis
+    want = np.asarray(q.lut)[codes].reshape(k_pad // g, g, 24) * np.asarray(
+        q.scale, np.float32)[:, None]
+    if q.offset is not None:
+        want = want + np.asarray(q.offset, np.float32)[:, None]
+    np.testing.assert_allclose(dequantize_weight(q), want.reshape(k_pad, 24), rtol=1e-6)
+    budget = {8: 0.01, 4: 0.12, 3: 0.2, 2: 0.4}[fmt.bits]  # ‖Δw‖/‖w‖
+    assert rel_err(effective_weight(q), w) < budget
+    x = np.random.default_rng(1).standard_normal((3, 5, k)).astype(np.float32)
+    np.testing.assert_allclose(linear(jnp.asarray(x), q), x @ np.asarray(effective_weight(q)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_grid_weights_are_reproduced_exactly():
+    rng = np.random.default_rng(0)
+    levels = rng.integers(-8, 8, (64, 16))
+    levels[0] = -8  # every group of 32 holds its absmax at -8 (Q4_0's rule)
+    levels[32] = -8
+    w = levels * np.float32(0.125)
+    q = quantize_linear(jnp.asarray(w, jnp.float32), WeightFormat("sym", 4, 32))
+    np.testing.assert_array_equal(effective_weight(q), w)
+    a = rng.integers(0, 16, (64, 16))
+    a[0], a[1], a[32], a[33] = 0, 15, 0, 15
+    w = a * np.float32(0.25) - np.float32(1.5)
+    q = quantize_linear(jnp.asarray(w), WeightFormat("affine", 4, 32))
+    np.testing.assert_array_equal(effective_weight(q), w)
+
+
+def test_tq_lut_is_the_shared_lloyd_max_codebook():
+    from tqjax.quant.codebook import lloyd_max
+
+    lut = format_lut(WeightFormat("tq", 3, 64))
+    np.testing.assert_allclose(lut, lloyd_max(3, 64).centroids * 8, rtol=1e-6)
+    assert format_lut(WeightFormat("tq", 3, 64)) is lut  # one shared array per format
+
+
+@pytest.mark.parametrize("kind,bits,group", [("tq", 4, 48), ("tq", 4, 0), ("sym", 4, 12),
+                                             ("int", 4, 32), ("sym", 9, 32)])
+def test_bad_formats(kind, bits, group):
+    with pytest.raises(TqjaxError):
+        WeightFormat(kind, bits, group)
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+    rng = np.random.default_rng(0)
+    k, n = 128, 32
+    mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
+    x = (rng.standard_normal((2048, k)) * np.linspace(0.2, 3, k)) @ mix
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    h = jnp.asarray(x.T @ x, jnp.float32)
+    for fmt in (WeightFormat("tq", 3, 64), WeightFormat("sym", 4, 32)):
+        err = [float(np.sum((x @ (np.asarray(effective_weight(q)) - w)) ** 2))
+               for q in (quantize_linear(jnp.asarray(w), fmt),
+                         quantize_linear(jnp.asarray(w), fmt, hessian=hessian_factor(h, fmt)))]
+        assert err[1] < 0.8 * err[0], (fmt.name, err)
+    with pytest.raises(TqjaxError):  # a factor for another basis
+        quantize_linear(jnp.asarray(w), WeightFormat("tq", 4, 32),
+                        hessian=hessian_factor(h, WeightFormat("tq", 4, 64)))
+
+
+# ---------------------------------------------------------------- mixed allocation
+
+
+def test_allocate_meets_budget_and_follows_sensitivity():
+    shapes = {f"t{i}": (256, 64 * (i + 1)) for i in range(6)}
+    sens = {f"t{i}": 10.0 ** (i % 3) for i in range(6)}
+    for bpw in (2.5, 3.5, 4.25, 6.0):
+        fmts = allocate(shapes, sens, bpw, 64)
+        bits = sum(f.tensor_bits(*shapes[p]) for p, f in fmts.items())
+        from tqjax.quant.mixed import shared_bits
+
+        total = bits + shared_bits(candidate_formats(64))
+        assert total <= bpw * sum(k * n for k, n in shapes.values())
+        # same size, 100x more sensitive -> at least as many bits
+        assert fmts["t2"].bits >= fmts["t0"].bits
+    with pytest.raises(TqjaxError, match="below the smallest"):
+        allocate(shapes, sens, 2.1, 64)
+    dist = [relative_distortion(f) for f in candidate_formats(64)]
+    assert dist == sorted(dist, reverse=True) and abs(dist[1] - 0.0334) < 1e-3
+
+
+# ---------------------------------------------------------------- whole models
+
+
+def test_weight_spec_validation():
+    assert WeightSpec("int4").base_format == WeightFormat("sym", 4, 32)
+    assert WeightSpec("int8").base_format == WeightFormat("sym", 8, 0)
+    assert WeightSpec("mixed", bpw=3.5).base_format == WeightFormat("tq", 4, 64)
+    for bad in (dict(method="tq5"), dict(method="mixed"), dict(method="tq4", bpw=4.0),
+                dict(method="mixed", bpw=1.0), dict(method="tq4", group_size=48),
+                dict(method="int4", group_size=12)):
+        with pytest.raises(TqjaxError):
+            WeightSpec(**bad)
+
+
+def test_sequential_stages_reproduce_forward(tiny):
+    windows = np.asarray([TOKENS, TOKENS[::-1]], np.int32)
+    seen = []
+
+    def keep(path, w, h):
+        seen.append((path, h.shape))
+        return w
+
+    params, hidden = run_sequential(tiny.params, tiny.config, windows, keep, head=True)
+    assert [p for p, _ in seen] == linear_paths(tiny.params)
+    assert dict(seen)["layers.0.w_down"] == (128, 128)
+    cache = new_cache(tiny.params, tiny.config, tqjax.CacheSpec(), 1, 32)
+    want, _ = forward(tiny.params, tiny.config, jnp.asarray(windows[1:]), jnp.zeros(1, jnp.int32),
+                      cache)
+    got = hidden[1] @ tiny.params.lm_head
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int4", 0.35), ("tq4", 0.35)])
+def test_quantized_forward_close_to_dense(tiny, tiny_ref, method, budget):
+    q = quantize_params(tiny.params, tiny.config, WeightSpec(method))
+    got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
+    assert rel_err(got, tiny_ref) < budget
+    assert isinstance(q.layers[1].w_down, type(q.layers[0].wq)) and q.lm_head is tiny.params.lm_head
+
+
+def test_calibrated_gptq_with_head(tiny, tiny_ref):
+    cal = np.random.default_rng(0).integers(0, 256, (2, 48))
+    q = quantize_params(tiny.params, tiny.config, WeightSpec("tq3", quantize_embeddings=True), cal)
+    assert all(get_path(q, p).bits == 3 for p in linear_paths(q))
+    got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
+    assert rel_err(got, tiny_ref) < 0.5
+    with pytest.raises(TqjaxError, match="already quantized"):
+        quantize_params(q, tiny.config, WeightSpec("int8"))
+    with pytest.raises(TqjaxError, match="out of range"):
+        quantize_params(tiny.params, tiny.config, WeightSpec("int8"), cal + 1000)
+
+
+def test_fisher_mixed_allocation(tiny):
+    cal = np.random.default_rng(0).integers(0, 256, (2, 48))
+    paths = linear_paths(tiny.params)
+    spec = WeightSpec("mixed", bpw=4.25)
+    sens = fisher_sensitivity(tiny.params, tiny.config, paths, cal, 64)
+    assert all(v > 0 for v in sens.values())
+    fmts = weight_formats(tiny.params, tiny.config, spec, paths, cal)
+    n = sum(math.prod(get_path(tiny.params, p).shape) for p in paths)
+    bits = sum(f.tensor_bits(*get_path(tiny.params, p).shape) for p, f in fmts.items())
+    assert 3.5 * n < bits <= 4.25 * n
+    assert fmts != weight_formats(tiny.params, tiny.config, spec, paths)  # data-free differs
+
+
+def test_params_bits_exact(tiny):
+    q = quantize_params(tiny.params, tiny.config, WeightSpec("tq4"))
+    bits = params_bits(q)
+    c = tiny.config
+    d, kv = c.hidden_size, c.num_kv_heads * c.head_dim
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, 128), (d, 128), (128, d)] * c.num_layers
+    # codes: 4 bits per (padded) input row; one f16 scale per 64 rows and output column
+    per = sum(n * (-(-k // 64) * 64 * 4 + -(-k // 64) * 16) for k, n in shapes) // 8
+    shared = 16 * 4 + 64 * 4  # one f32 lut and one set of f32 rotation signs
+    assert bits["quantized_bytes"] == per + shared
+    assert bits["quantized_params"] == sum(k * n for k, n in shapes)
+    assert bits["params"] == tiny.config.num_params
+    assert math.isclose(bits["bpw"], 8 * bits["bytes"] / bits["params"])
+
+
+def test_tied_head_cannot_be_quantized():
+    m = tqjax.load(GOLDEN / "tiny" / "llama_tied")
+    with pytest.raises(TqjaxError, match="ties"):
+        quantize_params(m.params, m.config, WeightSpec("int8", quantize_embeddings=True))
+
+
+def test_calibration_text_is_not_evaluation_text():
+    assert not set(CALIBRATION_MODULES) & set(PYTHON_STDLIB_MODULES)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
+    q = quantize_params(tiny.params, tiny.config, WeightSpec("mixed", bpw=4.5))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-mixed"
+    meta = ckpt.save_quantized(path, q, tiny.config, method={"method": "mixed"},
+                               source=GOLDEN / "tiny" / "qwen2_gqa7")
+    return path, q, meta
+
+
+def test_checkpoint_round_trip(tiny, saved):
+    path, q, meta = saved
+    loaded = tqjax.load(path)
+    assert loaded.config == tiny.config
+    np.testing.assert_array_equal(tqjax.logits(loaded, TOKENS),
+                                  tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS))
+    assert params_bits(loaded.params) == params_bits(q) == meta["memory"]
+    assert meta["source"]["name"] == "qwen2_gqa7" and len(meta["source"]["sha256"]) == 64
+    assert sorted(meta["files"]) == ["config.json", "model.safetensors"]
+    assert not list(path.parent.glob(".*"))  # no temporary directories left
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    dst = tmp_path / "ck"
+    shutil.copytree(saved[0], dst)
+    return dst
+
+
+def _edit_json(path, fn):
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-100]), "truncated"),
+    (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-1] + b"\x01"), "sha256"),
+    (lambda d: (d / "config.json").unlink(), "missing config.json"),
+    (lambda d: (d / "quantization.json").write_text("{not json"), "corrupt"),
+    (lambda d: _edit_json(d / "quantization.json", lambda m: m.pop("tensors")), "tensors"),
+    (lambda d: _edit_json(d / "quantization.json", lambda m: m.pop("files")), "does not list"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m.update(format_version=99)), "version 99"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m["tensors"]["layers.0.wq"].update(bits=3)), "expected"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m["tensors"]["layers.1.wo"].pop("lut")), "bad entry"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m["tensors"].pop("layers.1.wo")), "missing tensor layers.1.wo"),
+    (lambda d: _edit_json(d / "quantization.json", lambda m: m["files"].update(
+        {"../x": {"size": 1, "sha256": "0"}})), "missing"),
+])
+def test_damaged_checkpoints_are_clear_errors(saved, tmp_path, damage, message):
+    d = _copy(saved, tmp_path)
+    damage(d)
+    with pytest.raises(TqjaxError, match=message) as e:
+        tqjax.load(d)
+    assert "\n" not in str(e.value)
+
+
+def test_config_changes_and_overwrites(saved, tmp_path, tiny):
+    d = _copy(saved, tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    raw["num_layerz"] = raw.pop("num_layers")
+    (d / "config.json").write_text(json.dumps(raw))
+    _edit_json(d / "quantization.json", lambda m: m["files"]["config.json"].update(
+        size=(d / "config.json").stat().st_size,
+        sha256=ckpt.file_digest(d / "config.json")[1]))
+    with pytest.raises(TqjaxError, match="config.json"):
+        tqjax.load(d)
+    # an existing checkpoint is replaced; anything else is left alone
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    with pytest.raises(TqjaxError, match="not overwriting"):
+        ckpt.save_quantized(other, tiny.params, tiny.config, method={})
+    assert (other / "keep.txt").read_text() == "x"
+    ckpt.save_quantized(d, tiny.params, tiny.config, method={"method": "none"})
+    assert json.loads((d / "quantization.json").read_text())["method"] == {"method": "none"}
+
+
+def test_gguf_tokenizer_is_saved_and_reloaded(saved, tmp_path, tiny):
+    alphabet = [chr(c) for c in range(33, 127)] + ["Ġ"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": alphabet + ["<|im_start|>", "<|im_end|>"],
+            "tokenizer.ggml.token_type": [1] * len(alphabet) + [3, 3],
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.bos_token_id": len(alphabet),
+            "tokenizer.ggml.eos_token_id": len(alphabet) + 1,
+            "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m.content }}"
+                                       "<|im_end|>{% endfor %}"}
+    tok = tokenizer_from_gguf(meta)
+    _, q, _ = saved
+    out = tmp_path / "with-tok"
+    ckpt.save_quantized(out, q, tiny.config, method={}, tokenizer=tok)
+    m = tqjax.load(out)
+    text = "Hi <|im_end|> there!"
+    assert m.tokenizer.encode(text) == tok.encode(text)
+    assert (m.tokenizer.bos_id, m.tokenizer.add_bos) == (tok.bos_id, True)
+    assert set(tok.eos_ids) <= set(m.tokenizer.eos_ids)
+    chat = [{"role": "user", "content": "a"}]
+    assert m.tokenizer.apply_chat_template(chat) == tok.apply_chat_template(chat)

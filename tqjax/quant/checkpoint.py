@@ -1,0 +1,397 @@
+"""Quantized checkpoint directories (no pickle anywhere).
+
+A directory holds:
+- `model.safetensors`: dense tensors under their Params names ("embed", "final_norm",
+  "rope_inv_freq", "layers.{i}.attn_norm", "layers.{i}.bq", ...); each quantized linear as
+  "{path}.packed" (uint8), "{path}.scale" (f16) and, for affine formats, "{path}.offset" (f16);
+  constants shared by many tensors once: "shared.lut.{j}" (f32 code values) and
+  "shared.rotation.{j}.signs" (f32 ±1).
+- `config.json`: the `ModelConfig` as `dataclasses.asdict` (rope scaling nested).
+- the tokenizer: `tokenizer.json` + `tokenizer_config.json` (chat template, bos/eos, add_bos),
+  rebuilt from GGUF metadata or copied from an HF source directory.
+- `quantization.json`, written last: format name and version, the method, per-tensor
+  {kind, bits, group, in/out features, lut, rotation}, storage accounting, the source model's
+  name/size/sha256, and the size and sha256 of every other file, all verified on load.
+
+The directory is written next to its target under a temporary name, fsynced, then renamed into
+place (an existing quantized checkpoint there is replaced; anything else is left alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tqjax.errors import TqjaxError
+from tqjax.models.config import ModelConfig, RopeScaling
+from tqjax.models.tokenizer import Tokenizer
+from tqjax.models.transformer import LayerParams, Params
+from tqjax.quant.rotation import Rotation
+from tqjax.quant.weights import KINDS, QuantizedLinear
+
+FORMAT = "tqjax-quantized"
+FORMAT_VERSION = 1
+QUANT_FILE = "quantization.json"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", TOKENIZER_CONFIG,
+                      "special_tokens_map.json", "chat_template.jinja")
+DENSE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_CHUNK = 1 << 20
+
+
+def is_quantized_checkpoint(path: Path) -> bool:
+    """True for a directory holding a quantization.json."""
+    return path.is_dir() and (path / QUANT_FILE).is_file()
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def source_info(path: Path) -> dict[str, Any]:
+    """Name, size and sha256 of the model a checkpoint came from (a directory hashes the sorted
+    list of its files' names and sha256s)."""
+    if path.is_file():
+        size, digest = file_digest(path)
+        return {"name": path.name, "size": size, "sha256": digest}
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    h, total = hashlib.sha256(), 0
+    for f in files:
+        size, digest = file_digest(f)
+        total += size
+        h.update(f"{f.relative_to(path)}\t{digest}\n".encode())
+    return {"name": path.name, "size": total, "sha256": h.hexdigest()}
+
+
+# ---------------------------------------------------------------- params <-> flat tensors
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def flatten_params(params: Params) -> dict[str, Any]:
+    """{name: dense array or QuantizedLinear} for every non-None leaf field of params."""
+    flat = {}
+    for name, value in _fields(params).items():
+        if name == "layers":
+            for i, lp in enumerate(value):
+                flat |= {f"layers.{i}.{k}": v for k, v in _fields(lp).items()}
+        else:
+            flat[name] = value
+    return {k: v for k, v in flat.items() if v is not None}
+
+
+def _unflatten(flat: dict[str, Any], num_layers: int) -> Params:
+    def build(cls: type, prefix: str) -> Any:
+        values = {}
+        for f in dataclasses.fields(cls):
+            if prefix + f.name in flat:
+                values[f.name] = flat.pop(prefix + f.name)
+            elif f.default is dataclasses.MISSING and f.name != "layers":
+                raise TqjaxError(f"quantized checkpoint is missing tensor {prefix + f.name}")
+        return values
+
+    layers = [LayerParams(**build(LayerParams, f"layers.{i}.")) for i in range(num_layers)]
+    params = Params(layers=layers, **{"lm_head": None} | build(Params, ""))
+    if flat:
+        raise TqjaxError(f"quantized checkpoint has unexpected tensors: {', '.join(sorted(flat))}")
+    return params
+
+
+def kind_of(w: QuantizedLinear) -> str:
+    """The format kind of a quantized weight: "tq" (rotated), "affine" (offset) or "sym"."""
+    return "tq" if w.rotation is not None else "affine" if w.offset is not None else "sym"
+
+
+def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
+                ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    """Flat safetensors dict and the per-tensor quantization metadata."""
+    tensors: dict[str, jax.Array] = {}
+    meta: dict[str, Any] = {}
+    shared: dict[int, str] = {}  # id of a shared array -> its tensor name
+    counts = {"lut": 0, "rotation": 0}
+
+    def share(kind: str, arrays: dict[str, jax.Array]) -> str:
+        key = id(next(iter(arrays.values())))
+        if key not in shared:
+            shared[key] = name = f"shared.{kind}.{counts[kind]}"
+            counts[kind] += 1
+            tensors.update({f"{name}.{k}" if k else name: v for k, v in arrays.items()})
+        return shared[key]
+
+    for name, value in flatten_params(params).items():
+        if not isinstance(value, QuantizedLinear):
+            keep = name == "rope_inv_freq" or dense_dtype is None
+            tensors[name] = value if keep else value.astype(dense_dtype)
+            continue
+        tensors[f"{name}.packed"], tensors[f"{name}.scale"] = value.packed, value.scale
+        if value.offset is not None:
+            tensors[f"{name}.offset"] = value.offset
+        rotation = None
+        if value.rotation is not None:
+            parts = {"signs": value.rotation.signs}
+            if value.rotation.matrix is not None:
+                parts["matrix"] = value.rotation.matrix
+            rotation = share("rotation", parts)
+        meta[name] = {"kind": kind_of(value), "bits": value.bits, "group": value.group,
+                      "in_features": value.in_features, "out_features": value.out_features,
+                      "lut": share("lut", {"": value.lut}), "rotation": rotation}
+    return tensors, meta
+
+
+def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
+               shared: dict[str, Any]) -> QuantizedLinear:
+    """Rebuild one QuantizedLinear, checking every shape against its metadata."""
+    try:
+        bits, group = int(info["bits"]), int(info["group"])
+        k, n = int(info["in_features"]), int(info["out_features"])
+        kind, lut_name, rot_name = info["kind"], info["lut"], info.get("rotation")
+    except (KeyError, TypeError, ValueError):
+        raise TqjaxError(f"{QUANT_FILE}: bad entry for {name}") from None
+    if not (1 <= bits <= 8 and group > 0 and k > 0 and n > 0) or kind not in KINDS:
+        raise TqjaxError(f"{QUANT_FILE}: bad kind/bits/group/features for {name}")
+    k_pad = -(-k // group) * group
+    expect = {".packed": (k_pad * bits // 8, n), ".scale": (k_pad // group, n)}
+    if kind == "affine":
+        expect[".offset"] = (k_pad // group, n)
+    for suffix, shape in expect.items():
+        t = tensors.pop(name + suffix, None)
+        if t is None or t.shape != shape:
+            got = "missing" if t is None else f"shape {t.shape}"
+            raise TqjaxError(f"quantized checkpoint: {name}{suffix} is {got}, expected {shape}")
+        expect[suffix] = t
+    if lut_name not in shared or shared[lut_name].shape != (1 << bits,):
+        raise TqjaxError(f"quantized checkpoint: {name} needs a {1 << bits}-entry lut {lut_name}")
+    rotation = None
+    if kind == "tq":
+        rotation = shared.get(rot_name)
+        if not isinstance(rotation, Rotation) or rotation.dim != group:
+            raise TqjaxError(f"quantized checkpoint: {name} needs a rotation of dim {group}")
+    return QuantizedLinear(packed=expect[".packed"], scale=expect[".scale"], lut=shared[lut_name],
+                           offset=expect.get(".offset"), rotation=rotation, bits=bits,
+                           group=group, in_features=k)
+
+
+def _shared(tensors: dict[str, jax.Array]) -> dict[str, Any]:
+    """Pop the shared luts and rotations: {"shared.lut.0": array, "shared.rotation.0": Rotation}."""
+    out: dict[str, Any] = {}
+    for name in sorted(t for t in tensors if t.startswith("shared.lut.")):
+        out[name] = tensors.pop(name)
+    for name in sorted(t for t in tensors if t.startswith("shared.rotation.") and
+                       t.endswith(".signs")):
+        base = name.removesuffix(".signs")
+        out[base] = Rotation(signs=tensors.pop(name), matrix=tensors.pop(base + ".matrix", None))
+    return out
+
+
+# ---------------------------------------------------------------- config and tokenizer
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(raw: Any) -> ModelConfig:
+    """Inverse of `config_to_dict`; bad content is a TqjaxError."""
+    try:
+        fields = dict(raw)
+        scaling = fields.pop("rope_scaling", None)
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        return ModelConfig(**fields,
+                           rope_scaling=None if scaling is None else RopeScaling(**scaling))
+    except (TypeError, ValueError) as e:
+        raise TqjaxError(f"{CONFIG_FILE} of the quantized checkpoint is invalid: {e}") from None
+
+
+def _save_tokenizer(out: Path, tokenizer: Tokenizer | None, source: Path | None) -> None:
+    """HF sources: copy their tokenizer files; otherwise save the rebuilt `tokenizers` backend
+    and a tokenizer_config.json with the chat template, bos/eos and add_bos."""
+    if source is not None and source.is_dir():
+        for name in HF_TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+        return
+    if tokenizer is None:
+        return
+    if tokenizer.is_sentencepiece:
+        raise TqjaxError("cannot save a sentencepiece tokenizer without its source directory")
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    token = tokenizer.backend.id_to_token
+    cfg = {
+        "chat_template": tokenizer.chat_template,
+        "bos_token": None if tokenizer.bos_id is None else token(tokenizer.bos_id),
+        "eos_token": token(tokenizer.eos_ids[0]) if tokenizer.eos_ids else None,
+        "add_bos_token": tokenizer.add_bos,
+    }
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------- atomic directory writes
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_dir_atomically(target: Path, fill: Callable[[Path], None]) -> None:
+    """Create directory `target` by fill(tmp) on a temporary sibling, fsync, then rename.
+
+    An existing quantized checkpoint (or empty directory) at `target` is replaced; any other
+    existing path raises TqjaxError and is left untouched.
+    """
+    target = target.expanduser().absolute()
+    if target.exists() and not (is_quantized_checkpoint(target) or
+                                (target.is_dir() and not any(target.iterdir()))):
+        raise TqjaxError(f"{target} exists and is not a quantized checkpoint; not overwriting it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    tmp.mkdir()  # not mkdtemp: the umask decides the mode, as for any new directory
+    try:
+        fill(tmp)
+        file_mode = tmp.stat().st_mode & 0o666
+        for f in tmp.iterdir():
+            f.chmod(file_mode)
+            _fsync(f)
+        _fsync(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.{secrets.token_hex(6)}.old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------- save / load
+
+
+def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: dict[str, Any],
+                   tokenizer: Tokenizer | None = None, source: Path | None = None,
+                   dense_dtype: str | None = None) -> dict[str, Any]:
+    """Write a quantized checkpoint directory atomically; returns its quantization.json dict.
+
+    method: what produced it (e.g. `dataclasses.asdict(WeightSpec)`), stored verbatim.
+    dense_dtype: store dense tensors (embedding, norms, biases, a dense head) as this dtype
+    ("float32", "bfloat16", "float16"; None keeps the params' dtype). The rope frequencies
+    always stay f32.
+    """
+    from safetensors.flax import save_file
+
+    from tqjax.quant.params import params_bits
+
+    if dense_dtype is not None and dense_dtype not in DENSE_DTYPES:
+        raise TqjaxError(f"unknown dense dtype {dense_dtype!r} (choose from: "
+                         f"{', '.join(DENSE_DTYPES)})")
+    tensors, tensor_meta = _to_tensors(params, DENSE_DTYPES.get(dense_dtype))
+    if tokenizer is not None:
+        eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
+        config = dataclasses.replace(config, eos_token_ids=eos)
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "method": method,
+        "source": None if source is None else source_info(source),
+        "dense_dtype": dense_dtype,
+        "memory": params_bits(params),
+        "tensors": tensor_meta,
+    }
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_to_dict(config), indent=1))
+        _save_tokenizer(tmp, tokenizer, source)
+        files = {f.name: dict(zip(("size", "sha256"), file_digest(f), strict=True))
+                 for f in sorted(tmp.iterdir())}
+        meta["files"] = files
+        n = meta["memory"]["params"]
+        meta["disk"] = {"bytes": sum(f["size"] for f in files.values()),
+                        "weights_bytes": files[WEIGHTS_FILE]["size"],
+                        "weights_bpw": 8 * files[WEIGHTS_FILE]["size"] / n}
+        (tmp / QUANT_FILE).write_text(json.dumps(meta, indent=1))
+
+    write_dir_atomically(out, fill)
+    return meta
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TqjaxError(f"cannot read {path} (corrupt?): {e}") from None
+
+
+def verify_files(path: Path, meta: dict[str, Any]) -> None:
+    """Every file listed in quantization.json exists with its recorded size and sha256."""
+    files = meta.get("files")
+    if not isinstance(files, dict) or WEIGHTS_FILE not in files or CONFIG_FILE not in files:
+        raise TqjaxError(f"{path / QUANT_FILE} does not list {WEIGHTS_FILE} and {CONFIG_FILE}")
+    for name, info in files.items():
+        f = path / name
+        if Path(name).name != name or not f.is_file():
+            raise TqjaxError(f"quantized checkpoint {path} is missing {name}")
+        size, digest = file_digest(f)
+        if not isinstance(info, dict) or size != info.get("size"):
+            raise TqjaxError(f"{f} has {size} bytes, expected {info.get('size')} (truncated?)")
+        if digest != info.get("sha256"):
+            raise TqjaxError(f"{f} does not match its sha256 in {QUANT_FILE} (tampered or corrupt)")
+
+
+def load_quantized(path: Path, dtype: str = "float32"
+                   ) -> tuple[ModelConfig, Params, dict[str, Any]]:
+    """Load a quantized checkpoint directory -> (config, params, quantization.json dict).
+
+    Files are verified against their sha256 first. Dense tensors are cast to `dtype`
+    ("float32", "bfloat16", "float16"); quantized tensors keep their stored types.
+    """
+    from safetensors import SafetensorError
+    from safetensors.flax import load_file
+
+    if dtype not in DENSE_DTYPES:
+        raise TqjaxError(f"unknown dtype {dtype!r} (choose from: {', '.join(DENSE_DTYPES)})")
+    meta = _read_json(path / QUANT_FILE)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise TqjaxError(f"{path / QUANT_FILE} is not a tqjax quantization file")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise TqjaxError(f"{path} has quantized format version {meta.get('format_version')}; "
+                         f"this tqjax reads version {FORMAT_VERSION}")
+    if not isinstance(meta.get("tensors"), dict):
+        raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
+    verify_files(path, meta)
+    config = config_from_dict(_read_json(path / CONFIG_FILE))
+    try:
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise TqjaxError(f"cannot read {path / WEIGHTS_FILE} (corrupt?): {e}") from None
+    shared = _shared(tensors)
+    flat: dict[str, Any] = {name: _quantized(name, info, tensors, shared)
+                            for name, info in meta["tensors"].items()}
+    jdtype = DENSE_DTYPES[dtype]
+    flat |= {k: v if k == "rope_inv_freq" else v.astype(jdtype) for k, v in tensors.items()}
+    return config, _unflatten(flat, config.num_layers), meta

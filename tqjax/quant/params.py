@@ -1,0 +1,391 @@
+"""Quantizing a whole model's linears: `WeightSpec`, `quantize_params`, `params_bits`.
+
+Every decoder linear (q/k/v/o, gate/up/down) becomes a `QuantizedLinear`; norms, biases and the
+token embedding stay dense, and the output head (untied models) is quantized only with
+`quantize_embeddings`. Data-free by default; with calibration token windows the codes are chosen
+by GPTQ, layer by layer in order, each layer seeing the inputs produced by the already-quantized
+layers before it (`capture` stages below), and the "mixed" allocator uses Fisher sensitivities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from tqjax.decode.calibrate import calibration_text
+from tqjax.errors import TqjaxError
+from tqjax.kv.cache import CacheSpec, make_cache
+from tqjax.kv.rope import rope_cos_sin
+from tqjax.models.config import ModelConfig
+from tqjax.models.tokenizer import Tokenizer
+from tqjax.models.transformer import LayerParams, Params, attention_block, forward, rms_norm
+from tqjax.quant.mixed import allocate
+from tqjax.quant.weights import (
+    HessianFactor,
+    QuantizedLinear,
+    WeightFormat,
+    hessian_factor,
+    linear,
+    quantize_linear,
+)
+
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+METHODS = {  # method -> (kind, bits, default group)
+    "tq4": ("tq", 4, 64),
+    "tq3": ("tq", 3, 64),
+    "tq2": ("tq", 2, 64),
+    "int8": ("sym", 8, 0),
+    "int4": ("sym", 4, 32),
+    "int4-affine": ("affine", 4, 32),
+}
+MIXED = "mixed"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """What to quantize and how.
+
+    method: one of METHODS or "mixed" (per-tensor "tq" bits meeting `bpw`).
+    bpw: target average bits per weight of the quantized tensors, every stored byte counted
+      (mixed only). group_size: input rows per scale (None: the method's default; "tq": 64).
+    quantize_embeddings: also quantize the output head (untied models; the token embedding
+      table itself stays dense). seed: rotation seed. damp: GPTQ relative dampening.
+    """
+
+    method: str = "tq4"
+    bpw: float | None = None
+    group_size: int | None = None
+    quantize_embeddings: bool = False
+    seed: int = 0
+    damp: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.method not in (*METHODS, MIXED):
+            raise TqjaxError(f"unknown weight method {self.method!r} "
+                             f"(choose from: {', '.join((*METHODS, MIXED))})")
+        if (self.method == MIXED) != (self.bpw is not None):
+            raise TqjaxError("--bpw goes with --weights mixed (and mixed needs --bpw)")
+        if self.bpw is not None and not 2.0 < self.bpw <= 16.0:
+            raise TqjaxError(f"bpw must be in (2, 16], got {self.bpw}")
+        if not 0.0 <= self.damp < 1.0:
+            raise TqjaxError(f"GPTQ dampening must be in [0, 1), got {self.damp}")
+        self.base_format  # validates the group size  # noqa: B018
+
+    @property
+    def base_format(self) -> WeightFormat:
+        """The format of a uniform method; for "mixed", its "tq" group at 4 bits."""
+        kind, bits, group = METHODS.get(self.method, METHODS["tq4"])
+        return WeightFormat(kind, bits, group if self.group_size is None else self.group_size)
+
+
+# ---------------------------------------------------------------- naming and walking
+
+
+def linear_paths(params: Params, quantize_head: bool = True) -> list[str]:
+    """Names of the quantizable linears: "layers.{i}.{field}" and "lm_head" (if untied)."""
+    names = [f"layers.{i}.{f}" for i in range(len(params.layers)) for f in LINEARS]
+    return names + (["lm_head"] if quantize_head and params.lm_head is not None else [])
+
+
+def get_path(params: Params, path: str) -> Any:
+    """The leaf at a `linear_paths` name."""
+    if path == "lm_head":
+        return params.lm_head
+    _, i, field = path.split(".")
+    return getattr(params.layers[int(i)], field)
+
+
+def set_paths(params: Params, values: dict[str, Any]) -> Params:
+    """A copy of params with the given `linear_paths` leaves replaced."""
+    layers = list(params.layers)
+    for path, value in values.items():
+        if path == "lm_head":
+            params = params.replace(lm_head=value)
+            continue
+        _, i, field = path.split(".")
+        layers[int(i)] = layers[int(i)].replace(**{field: value})
+    return params.replace(layers=layers)
+
+
+# ---------------------------------------------------------------- calibration capture
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    return rms_norm(x, weight, eps)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _attention(lp: LayerParams, config: ModelConfig, hn: jax.Array,
+               inv_freq: jax.Array) -> jax.Array:
+    """Normed x [B, T, D] -> the o_proj input [B, T, H*hd] (causal attention from position 0)."""
+    b, t, _ = hn.shape
+    cos, sin = rope_cos_sin(jnp.arange(t)[None], inv_freq)
+    cache = make_cache(CacheSpec(), batch=b, slots=t, num_layers=1,
+                       kv_heads=config.num_kv_heads, head_dim=config.head_dim).layers[0]
+    eye = jnp.eye(config.num_heads * config.head_dim, dtype=hn.dtype)  # so wo is the identity
+    return attention_block(lp.replace(wo=eye), config, hn, cos[:, :, None], sin[:, :, None],
+                           jnp.zeros(b, jnp.int32), cache)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _residual_attention(lp: LayerParams, config: ModelConfig, x: jax.Array,
+                        attn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x + o_proj(attn), its mlp-normed form: the gate/up input)."""
+    x = x + linear(attn, lp.wo)
+    return x, rms_norm(x, lp.mlp_norm, config.rms_eps)
+
+
+@jax.jit
+def _gated(lp: LayerParams, hn: jax.Array) -> jax.Array:
+    return jax.nn.silu(linear(hn, lp.w_gate)) * linear(hn, lp.w_up)
+
+
+@jax.jit
+def _residual_mlp(lp: LayerParams, x: jax.Array, gated: jax.Array) -> jax.Array:
+    return x + linear(gated, lp.w_down)
+
+
+@jax.jit
+def _gram(acts: list[jax.Array]) -> jax.Array:
+    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K]."""
+    return sum(a.reshape(-1, a.shape[-1]).astype(jnp.float32).T
+               @ a.reshape(-1, a.shape[-1]).astype(jnp.float32) for a in acts)
+
+
+Quantizer = Callable[[str, Any, jax.Array], Any]
+
+
+def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, quantize: Quantizer,
+                   head: bool) -> tuple[Params, list[jax.Array]]:
+    """Replace linears in model order, each seeing inputs from the already-replaced ones.
+
+    windows int32 [W, T] (calibration tokens, each window from position 0). For every linear,
+    quantize(path, weight, H) returns its replacement, H = Σ x xᵀ f32 [in, in] over the inputs
+    the layer gets in the partly quantized model (the same transformer block as
+    `transformer.forward`, run in stages). `head` also replaces the untied output head.
+    Returns the new params and the final-normed hidden states (one [1, T, D] per window).
+    """
+    x = [params.embed[jnp.asarray(w, jnp.int32)[None]] for w in windows]
+    inv_freq, eps = params.rope_inv_freq, config.rms_eps
+
+    def stage(lp: LayerParams, i: int, fields: tuple[str, ...],
+              acts: list[jax.Array]) -> LayerParams:
+        h = _gram(acts)
+        return lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), h) for f in fields})
+
+    layers = []
+    for i, lp in enumerate(params.layers):
+        hn = [_norm(xi, lp.attn_norm, eps) for xi in x]
+        lp = stage(lp, i, ("wq", "wk", "wv"), hn)
+        attn = [_attention(lp, config, h, inv_freq) for h in hn]
+        lp = stage(lp, i, ("wo",), attn)
+        pairs = [_residual_attention(lp, config, xi, a) for xi, a in zip(x, attn, strict=True)]
+        x, hn = [p[0] for p in pairs], [p[1] for p in pairs]
+        lp = stage(lp, i, ("w_gate", "w_up"), list(hn))
+        gated = [_gated(lp, h) for h in hn]
+        lp = stage(lp, i, ("w_down",), gated)
+        x = [_residual_mlp(lp, xi, g) for xi, g in zip(x, gated, strict=True)]
+        layers.append(lp)
+    params = params.replace(layers=layers)
+    hidden = [_norm(xi, params.final_norm, eps) for xi in x]
+    if head and params.lm_head is not None:
+        params = params.replace(lm_head=quantize("lm_head", params.lm_head, _gram(hidden)))
+    return params, hidden
+
+
+# ---------------------------------------------------------------- calibration text
+
+# Standard-library modules used as calibration code: disjoint from `fetch.PYTHON_STDLIB_MODULES`
+# (the evaluation text), checked in tests.
+CALIBRATION_MODULES = ("textwrap.py", "heapq.py", "shutil.py", "tarfile.py", "ast.py")
+CALIBRATION_CHARS = 40_000  # per part (prose, code)
+
+
+def calibration_corpus(chars: int = CALIBRATION_CHARS) -> str:
+    """Default calibration text: the built-in calibration text and Milton's Paradise Lost
+    (prose/verse), then `CALIBRATION_MODULES` (code), each part cut to `chars` characters."""
+    from tqjax.fetch import corpus_text
+
+    prose = calibration_text() + "\n" + corpus_text("milton:paradiselost")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = "\n".join((stdlib / m).read_text(encoding="utf-8") for m in CALIBRATION_MODULES)
+    return prose[:chars] + "\n" + code[:chars]
+
+
+def calibration_windows(tokenizer: Tokenizer, text: str, count: int = 8,
+                        length: int = 1024) -> np.ndarray:
+    """`count` windows of `length` token ids spread evenly over `text` -> int32 [count, length]."""
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    n = len(ids) // length
+    if n < count:
+        raise TqjaxError(f"calibration text has {len(ids)} tokens; {count} windows of {length} "
+                         f"need {count * length}")
+    starts = np.linspace(0, n - 1, count).astype(int) * length
+    return np.stack([ids[s:s + length] for s in starts])
+
+
+# ---------------------------------------------------------------- Fisher sensitivities
+
+
+def group_energy(w: jax.Array, group: int) -> jax.Array:
+    """Mean square of each input group: w [K, N] -> f32 [ceil(K/group), N]."""
+    return group_sums(w.astype(jnp.float32) ** 2, group) / group
+
+
+def group_sums(x: jax.Array, group: int) -> jax.Array:
+    """x [K, N] summed over groups of `group` input rows (zero-padded) -> [ceil(K/group), N]."""
+    k, n = x.shape
+    return jnp.sum(jnp.pad(x, [(0, -k % group), (0, 0)]).reshape(-1, group, n), axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 5))
+def _fisher_window(linears: dict[str, jax.Array], params: Params, config: ModelConfig,
+                   tokens: jax.Array, key: jax.Array, group: int) -> dict[str, jax.Array]:
+    """½ Σ (∂ log p(y)/∂w)²·σ²_group for one window, labels y sampled from the model."""
+    cache = make_cache(CacheSpec(), batch=1, slots=tokens.shape[1], num_layers=config.num_layers,
+                       kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+
+    def log_likelihood(lin: dict[str, jax.Array]) -> jax.Array:
+        logits, _ = forward(set_paths(params, lin), config, tokens, jnp.zeros(1, jnp.int32), cache)
+        logp = jax.nn.log_softmax(logits[0], axis=-1)
+        y = jax.random.categorical(key, jax.lax.stop_gradient(logp))
+        return jnp.sum(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+    grads = jax.grad(log_likelihood)(linears)
+    return {p: 0.5 * jnp.sum(group_sums(g.astype(jnp.float32) ** 2, group)
+                             * group_energy(linears[p], group)) for p, g in grads.items()}
+
+
+def fisher_sensitivity(params: Params, config: ModelConfig, paths: list[str],
+                       windows: np.ndarray, group: int, seed: int = 0) -> dict[str, float]:
+    """Per-linear a_l = ½ Σ_groups F·σ² (see `tqjax.quant.mixed`), averaged over calibration
+    windows int32 [W, T]; F is the diagonal Fisher from one sampled label per position (labels
+    drawn independently, so cross-position terms vanish in expectation)."""
+    linears = {p: get_path(params, p) for p in paths}
+    total = dict.fromkeys(paths, 0.0)
+    for i, w in enumerate(windows):
+        key = jax.random.PRNGKey(seed * 7919 + i)
+        out = _fisher_window(linears, params, config, jnp.asarray(w, jnp.int32)[None], key, group)
+        for p in paths:
+            total[p] += float(out[p]) / len(windows)
+    return total
+
+
+# ---------------------------------------------------------------- quantizing a model
+
+
+def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths: list[str],
+                   windows: np.ndarray | None = None) -> dict[str, WeightFormat]:
+    """The format of every quantized linear: the method's, or the "mixed" allocation (Fisher
+    sensitivities with calibration windows, equal relative-error weights without)."""
+    fmt = spec.base_format
+    if spec.method != MIXED:
+        return dict.fromkeys(paths, fmt)
+    shapes = {p: tuple(get_path(params, p).shape) for p in paths}
+    if windows is None:
+        sensitivity = dict.fromkeys(paths, 1.0)
+    else:
+        sensitivity = fisher_sensitivity(params, config, paths, windows, fmt.group, spec.seed)
+    return allocate(shapes, sensitivity, spec.bpw, fmt.group)
+
+
+def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.ndarray | None:
+    if calibration is None:
+        return None
+    windows = np.asarray(calibration)
+    if windows.ndim != 2 or windows.size == 0 or not np.issubdtype(windows.dtype, np.integer):
+        raise TqjaxError(f"calibration must be integer token windows [W, T], got {windows.shape}")
+    if windows.shape[1] > config.max_position:
+        raise TqjaxError(f"calibration windows of {windows.shape[1]} tokens exceed the model's "
+                         f"context {config.max_position}")
+    if windows.min() < 0 or windows.max() >= config.vocab_size:
+        raise TqjaxError(f"calibration token id out of range [0, {config.vocab_size})")
+    return windows.astype(np.int32)
+
+
+def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
+                    calibration: np.ndarray | None = None, progress: bool = False) -> Params:
+    """Params whose decoder linears (and untied head with `spec.quantize_embeddings`) are
+    `QuantizedLinear`s per `spec`.
+
+    calibration: token windows int32 [W, T] (never the evaluation text; see
+    `calibration_windows`). Without it every tensor is rounded to nearest on its own
+    (data-free); with it, codes come from sequential GPTQ and "mixed" uses Fisher sensitivities.
+    """
+    if any(isinstance(get_path(params, p), QuantizedLinear) for p in linear_paths(params)):
+        raise TqjaxError("these params are already quantized")
+    if spec.quantize_embeddings and params.lm_head is None:
+        raise TqjaxError("this model ties its output head to the token embedding, which stays "
+                         "dense (a quantized embedding needs a quantized gather in forward)")
+    windows = _check_windows(calibration, config)
+    paths = linear_paths(params, spec.quantize_embeddings)
+    formats = weight_formats(params, config, spec, paths, windows)
+    bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
+               disable=None if progress else True, leave=False)
+    factors: dict[Any, HessianFactor] = {}
+
+    def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
+        fmt = formats[path]
+        factor = None
+        if hessian is not None:
+            key = (id(hessian), fmt.kind == "tq", fmt.group_size(w.shape[0]))
+            if key not in factors:  # one factorisation per stage and basis
+                factors.clear()
+                factors[key] = hessian_factor(hessian, fmt, spec.seed, spec.damp)
+            factor = factors[key]
+        bar.update()
+        return quantize_linear(w, fmt, spec.seed, factor)
+
+    with bar:
+        if windows is None:
+            return set_paths(params, {p: quantize(p, get_path(params, p), None) for p in paths})
+        params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats)
+    return params
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def params_bits(params: Params) -> dict[str, float]:
+    """Exact storage of params (every array counted once, shared luts/rotations included).
+
+    Returns bytes, params (weights; quantized linears count in·out, rope frequencies are not
+    parameters but their bytes count) and bpw = 8·bytes/params, overall and for the quantized
+    linears alone (`quantized_*`, shared constants included).
+    """
+    seen: set[int] = set()
+
+    def unique_bytes(tree: Any) -> int:
+        total = 0
+        for leaf in jax.tree_util.tree_leaves(tree):
+            if id(leaf) not in seen:
+                seen.add(id(leaf))
+                total += leaf.nbytes
+        return total
+
+    is_q = lambda x: isinstance(x, QuantizedLinear)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(params.replace(rope_inv_freq=None), is_leaf=is_q)
+    quantized = [leaf for leaf in leaves if is_q(leaf)]
+    q_bytes = sum(unique_bytes(w) for w in quantized)
+    q_params = sum(w.in_features * w.out_features for w in quantized)
+    total_bytes = q_bytes + unique_bytes(params)
+    dense_params = sum(leaf.size for leaf in leaves if not is_q(leaf))
+    n = q_params + dense_params
+    return {
+        "bytes": total_bytes,
+        "params": n,
+        "bpw": 8 * total_bytes / n,
+        "quantized_bytes": q_bytes,
+        "quantized_params": q_params,
+        "quantized_bpw": 8 * q_bytes / q_params if q_params else 0.0,
+    }
