@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from tqjax.cli import ArgumentParser, add_model_args, print_json, run_main
+from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
 
 
 def tree_bytes(tree: object) -> int:
@@ -135,11 +135,11 @@ def main() -> int:
     import jax
 
     import tqjax
+    from tqjax.api import kv_footprint
     from tqjax.errors import TqjaxError
-    from tqjax.kv.cache import check_spec
+    from tqjax.pallas.backend import use_backend
 
-    spec = tqjax.CacheSpec(args.cache_type_k, args.cache_type_v)
-    check_spec(spec)
+    spec = cache_spec(args)
     if min(args.prompt_tokens, args.decode_tokens, args.repeats) < 1:
         raise TqjaxError("--prompt-tokens, --decode-tokens and --repeats must be >= 1")
     model = tqjax.load(args.model, dtype=args.dtype)
@@ -149,8 +149,10 @@ def main() -> int:
               "prompt_tokens": args.prompt_tokens,
               "context": max(args.context, args.prompt_tokens),
               "decode_tokens": args.decode_tokens}
-    result["tqjax"] = bench_tqjax(model, spec, args.prompt_tokens, args.context,
-                                  args.decode_tokens, args.repeats)
+    with use_backend(args.backend):
+        result["tqjax"] = bench_tqjax(model, spec, args.prompt_tokens, args.context,
+                                      args.decode_tokens, args.repeats)
+    result |= {"backend": args.backend, **kv_footprint(model, spec)}
     if args.hf:
         if not model.source.endswith(".gguf"):
             raise TqjaxError("--hf compares against a GGUF model loaded by transformers")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from tqjax.cli import ArgumentParser, add_model_args, print_json, run_main
+from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
 
 
 def parse_args(argv: list[str] | None = None) -> object:
@@ -33,14 +33,13 @@ def parse_args(argv: list[str] | None = None) -> object:
 def main() -> int:
     args = parse_args()
     import tqjax
+    from tqjax.api import kv_footprint
     from tqjax.decode.sampling import SamplingParams
+    from tqjax.pallas.backend import use_backend
 
-    # Validate sampling values before the (slow) model load.
+    # Validate every option before the (slow) model load.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
-    spec = tqjax.CacheSpec(args.cache_type_k, args.cache_type_v)
-    from tqjax.kv.cache import check_spec
-
-    check_spec(spec)
+    spec = cache_spec(args)
     if args.ctx_size is not None and args.ctx_size < 2:
         raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     model = tqjax.load(args.model, dtype=args.dtype, progress=not args.json)
@@ -49,12 +48,13 @@ def main() -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = tqjax.generate(
-        model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop, chat=args.chat,
-        system=args.system, ctx_size=args.ctx_size, cache=spec,
-        on_text=None if args.json else stream)
+    with use_backend(args.backend):
+        result = tqjax.generate(
+            model, args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+            chat=args.chat, system=args.system, ctx_size=args.ctx_size, cache=spec,
+            on_text=None if args.json else stream)
     if args.json:
         print_json({
             "text": result.text, "token_ids": result.token_ids,
@@ -62,8 +62,8 @@ def main() -> int:
             "finish_reason": result.finish_reason,
             "prefill_tok_s": round(result.prefill_tok_s, 2),
             "decode_tok_s": round(result.decode_tok_s, 2),
-            "model": model.source, "dtype": args.dtype,
-            "cache_type_k": spec.k, "cache_type_v": spec.v,
+            "model": model.source, "dtype": args.dtype, "backend": args.backend,
+            "cache_type_k": spec.k, "cache_type_v": spec.v, **kv_footprint(model, spec),
         })
     else:
         sys.stdout.write("\n")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, add_model_args, print_json, run_main
+from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
 
 
 def main() -> int:
@@ -29,13 +29,13 @@ def main() -> int:
     args = p.parse_args()
 
     import tqjax
+    from tqjax.api import kv_footprint
     from tqjax.errors import TqjaxError
     from tqjax.eval import perplexity
     from tqjax.fetch import corpus_text
-    from tqjax.kv.cache import check_spec
+    from tqjax.pallas.backend import use_backend
 
-    spec = tqjax.CacheSpec(args.cache_type_k, args.cache_type_v)
-    check_spec(spec)
+    spec = cache_spec(args)
     if args.text_file is not None:
         if not args.text_file.is_file():
             raise TqjaxError(f"no such text file: {args.text_file}")
@@ -48,12 +48,14 @@ def main() -> int:
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     t0 = time.perf_counter()
-    res = perplexity(model, ids, args.ctx_size, cache=spec,
-                     reference=tqjax.CacheSpec() if args.compare else None)
+    with use_backend(args.backend):
+        res = perplexity(model, ids, args.ctx_size, cache=spec,
+                         reference=tqjax.CacheSpec() if args.compare else None)
     out = {"ppl": round(res.ppl, 4), "nll": round(res.nll, 6), "tokens": res.tokens,
            "windows": res.windows, "ctx": args.ctx_size, "text": source,
            "model": model.source, "dtype": args.dtype,
-           "cache_type_k": spec.k, "cache_type_v": spec.v,
+           "cache_type_k": spec.k, "cache_type_v": spec.v, "backend": args.backend,
+           **kv_footprint(model, spec),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:
         out |= {"kl": res.kl, "top1": res.top1}

@@ -20,7 +20,7 @@ from tqjax.decode.generate import (
 )
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec, Calibration
+from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import load_checkpoint
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -93,6 +93,16 @@ def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec = CacheSpec(
     out, _ = full_logits(model.params, model.config, jnp.asarray(tokens),
                          jnp.zeros(1, jnp.int32), kv)
     return np.asarray(out[0, :n])
+
+
+def kv_footprint(model: Model, cache: CacheSpec) -> dict[str, float]:
+    """Bytes per token (all layers, K+V), bits per value and compression vs a bf16 cache."""
+    cfg = model.config
+    kv = new_cache(model.params, cfg, cache, 1, 64, model.calibration(cache))
+    per_token = bytes_per_token(kv)
+    values = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    return {"kv_bytes_per_token": per_token, "kv_bits_per_value": 8 * per_token / values,
+            "kv_compression_vs_bf16": 2 * values / per_token}
 
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from tqjax.errors import TqjaxError
 
 EXIT_USAGE = 2
+DEFAULT_KV_PRESET = "turbo4"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -29,8 +30,39 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter and compute dtype (default float32: fastest on CPU)")
-    p.add_argument("--cache-type-k", default="f32", help="KV cache format for keys")
-    p.add_argument("--cache-type-v", default="f32", help="KV cache format for values")
+    p.add_argument("--cache-type-k", default=None,
+                   help="KV cache format for keys: f32 (default), bf16, f16, q8, q4, turbo2, "
+                        "turbo2.5, turbo3, turbo3.5, turbo4, turboN-prod; given alone it "
+                        "also sets the values' format")
+    p.add_argument("--cache-type-v", default=None, help="KV cache format for values")
+    p.add_argument("--kv", nargs="?", const=DEFAULT_KV_PRESET, default=None, metavar="K[/V]",
+                   help=f"compressed KV cache shorthand; alone: the default preset "
+                        f"({DEFAULT_KV_PRESET})")
+    p.add_argument("--kv-naive", action="store_true",
+                   help="turn off TurboQuant's outlier handling (centring, key balancing, "
+                        "sink slots), for study")
+    p.add_argument("--kv-boundary-layers", type=int, default=0,
+                   help="keep the first and last N layers' cache in q8")
+    p.add_argument("--backend", default="xla", choices=["xla", "pallas"],
+                   help="hot-path implementation: plain XLA or Pallas kernels "
+                        "(interpret mode on CPU)")
+
+
+def cache_spec(args: argparse.Namespace) -> object:
+    """The CacheSpec that --kv / --cache-type-k/v / --kv-* ask for (validated)."""
+    from tqjax.kv.cache import CacheSpec, check_spec
+
+    k, v = args.cache_type_k, args.cache_type_v
+    if args.kv is not None:
+        kv_k, _, kv_v = args.kv.partition("/")
+        k, v = k or kv_k, v or kv_v or kv_k
+    k = k or v or "f32"
+    v = v or k
+    naive = dict(center_keys=False, center_values=False, balance_keys=False, sink_tokens=0)
+    spec = CacheSpec(k, v, boundary_layers=args.kv_boundary_layers,
+                     **(naive if args.kv_naive else {}))
+    check_spec(spec)
+    return spec
 
 
 def enable_compilation_cache() -> None:
