@@ -15,19 +15,32 @@ argument use it instead of this default.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import jax
-from jax._src import config as _jax_config
 
 from tqjax.errors import TqjaxError
 
 BACKENDS = ("xla", "pallas")
 
-_state = _jax_config.enum_state(
-    "tqjax_kernel_backend", list(BACKENDS), "xla",
-    help="tqjax hot-path implementation: plain XLA or Pallas kernels.",
-    include_in_jit_key=True, include_in_trace_context=True)
+
+def _make_state() -> object | None:
+    """A JAX config state keyed into the jit cache; None if this JAX has no such (internal) API,
+    in which case a thread-local setting is used and jit caches are cleared on every switch."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.enum_state(
+            "tqjax_kernel_backend", list(BACKENDS), "xla",
+            help="tqjax hot-path implementation: plain XLA or Pallas kernels.",
+            include_in_jit_key=True, include_in_trace_context=True)
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+_state = _make_state()
+_local = threading.local()
 
 
 def check_backend(name: str) -> str:
@@ -39,7 +52,7 @@ def check_backend(name: str) -> str:
 
 def current() -> str:
     """The backend in effect here: the innermost `use_backend`, else "xla"."""
-    return _state.value
+    return _state.value if _state is not None else getattr(_local, "backend", "xla")
 
 
 def resolve(backend: str | None) -> str:
@@ -50,8 +63,21 @@ def resolve(backend: str | None) -> str:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the enclosed code (and everything it traces) with backend `name`."""
-    with _state(check_backend(name)):
+    check_backend(name)
+    if _state is not None:
+        with _state(name):
+            yield
+        return
+    previous = current()
+    _local.backend = name
+    if name != previous:
+        jax.clear_caches()
+    try:
         yield
+    finally:
+        _local.backend = previous
+        if name != previous:
+            jax.clear_caches()
 
 
 def default_interpret() -> bool:
