@@ -8,24 +8,10 @@ Keys are saved as attention sees them (after RoPE, without centring).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+from tqjax.atomic import write_safetensors
 from tqjax.cli import ArgumentParser, add_model_args, run_main
-
-
-def save_atomic(path: Path, tensors: dict) -> None:
-    from safetensors.numpy import save_file
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def main() -> int:
@@ -56,7 +42,7 @@ def main() -> int:
                                .reshape(-1, model.config.head_dim) for layer in cache.layers])
         pick = rng.choice(len(vecs), size=min(args.samples, len(vecs)), replace=False)
         out = Path(f"{args.out_prefix}_{which}.safetensors")
-        save_atomic(out, {"x": vecs[pick]})
+        write_safetensors(out, {"x": vecs[pick]})
         print(f"{out}: {len(pick)} vectors of dim {vecs.shape[1]}")
     return 0
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
+from tqjax.atomic import write_text
 from tqjax.cli import ArgumentParser, run_main
 from tqjax.errors import TqjaxError
 
@@ -107,22 +105,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same folder, fsync, then os.replace."""
-    dest = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main() -> None:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="emit JSON instead of a text table")
@@ -148,7 +130,7 @@ def main() -> None:
     else:
         text = f"{sets[0][0]} vectors, N = {sets[0][1].shape[0]}\n{format_table(rows)}\n"
     if args.out:
-        write_atomic(args.out, text)
+        write_text(args.out, text)
     else:
         print(text, end="")
 

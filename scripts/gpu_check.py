@@ -22,7 +22,6 @@ Without a GPU it writes {"error": ...} and exits 1.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -48,9 +47,9 @@ class Report:
     def set(self, key: str, value: object) -> None:
         self.data[key] = value
         self.data["elapsed_s"] = round(self.elapsed(), 1)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.path)
+        from tqjax.atomic import write_json
+
+        write_json(self.path, self.data, indent=1)
 
 
 def timed(fn: Callable[[], object], repeats: int = 5) -> float:

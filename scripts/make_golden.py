@@ -28,7 +28,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tqjax.atomic import replace_dir, write_json, write_safetensors, write_text  # noqa: E402
 from tqjax.fetch import MODEL_NAMES, corpus_text, fetch_model  # noqa: E402
 
 NUM_THREADS = 2
@@ -75,64 +75,6 @@ PPL_CTX = 512
 
 
 # --------------------------------------------------------------------------------------------------
-# atomic file helpers
-
-
-def _atomic(dest: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temp path next to ``dest``, fsync, then ``os.replace`` it."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_json(dest: Path, obj: Any) -> None:  # noqa: ANN401
-    """Write ``obj`` as pretty UTF-8 JSON, atomically."""
-    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-    _atomic(dest, lambda p: p.write_text(text, encoding="utf-8"))
-
-
-def write_text(dest: Path, text: str) -> None:
-    """Write a UTF-8 text file atomically."""
-    _atomic(dest, lambda p: p.write_text(text, encoding="utf-8"))
-
-
-def write_safetensors(dest: Path, tensors: dict[str, np.ndarray], meta: dict[str, str]) -> None:
-    """Write numpy arrays as a safetensors file (with string metadata), atomically."""
-    from safetensors.numpy import save_file
-
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    _atomic(dest, lambda p: save_file(arrays, str(p), metadata=meta))
-
-
-def replace_dir(dest: Path, build: Callable[[Path], None]) -> None:
-    """Build a folder in a temp dir next to ``dest`` and swap it into place."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    old = dest.parent / f".{dest.name}.old"
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o755)
-        if old.exists():
-            shutil.rmtree(old)
-        if dest.exists():
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def versions() -> dict[str, str]:
     """Versions of the libraries that produced the data."""
     import gguf

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tqjax.atomic import atomic_path, fsync_dir
 from tqjax.errors import TqjaxError
 
 __all__ = [
@@ -168,37 +169,10 @@ def _sha256_file(path: Path) -> str:
 
 @contextmanager
 def _atomic_writer(dest: Path) -> Iterator[IO[bytes]]:
-    """Yield a binary file in ``dest``'s folder; on clean exit fsync it and ``os.replace`` it onto
-    ``dest``; on any exception remove it, leaving ``dest`` untouched."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(dest.parent)
+    """Yield a binary file that replaces ``dest`` atomically on clean exit."""
+    with atomic_path(dest) as tmp, open(tmp, "wb") as f:
+        yield f
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_text_atomic(dest: Path, text: str) -> None:
@@ -389,7 +363,7 @@ def _corpus_root(progress: bool = False) -> Path:
         except OSError:
             if not root.is_dir():  # another process may have won the race
                 raise
-        _fsync_dir(root.parent)
+        fsync_dir(root.parent)
     return root
 
 
