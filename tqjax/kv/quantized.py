@@ -195,35 +195,54 @@ def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
         scale=kvs.write_rows(store.scale, scale.astype(SCALE_DTYPE), start))
 
 
-@kvs.scores.register
-def _(store: TurboStore, q: jax.Array) -> jax.Array:
-    q = q.astype(jnp.float32)
-    qs = q if store.chan_scale is None else q * store.chan_scale[None, :, None, :]
-    s = jnp.einsum("bknd,bksd->bkns", rotate(qs, store.quantizer.rotation), _turbo_rotated(store))
-    if store.qjl is not None:
-        s = s + jnp.einsum("bknd,bksd->bkns", qs @ store.qjl.T, _qjl_terms(store))
-    if store.center is not None:  # a key store: inv_freq is set
-        centre = _centre_at(store, jnp.arange(store.scale.shape[2]))  # [S, KV, hd]
-        s = s + jnp.einsum("bknd,skd->bkns", q, centre)
+def _to_basis(store: TurboStore, x: jax.Array) -> jax.Array:
+    """Original-space vectors [..., KV, hd] -> the store's scoring basis Π(x / s)."""
+    if store.chan_scale is not None:
+        x = x / store.chan_scale
+    return rotate(x, store.quantizer.rotation)
+
+
+def _effective_rotated(store: TurboStore) -> jax.Array:
+    """Every slot in the scoring basis Π(x / s), f32 [B, KV, S, hd]: the quantized code plus the
+    centre, with dense sink slots substituted. One [S, hd] pass per layer and head, so attention
+    is a single product against the query (the Pallas kernel avoids even this)."""
+    x = _turbo_rotated(store)
+    if store.center is not None:
+        centre = _centre_at(store, jnp.arange(x.shape[2]))  # [S, KV, hd]
+        x = x + _to_basis(store, centre).transpose(1, 0, 2)[None]
     if store.sink is not None:
         n = store.sink.shape[2]
-        exact = jnp.einsum("bknd,bksd->bkns", q, store.sink.astype(jnp.float32))
-        s = s.at[..., :n].set(exact)
+        sink = _to_basis(store, store.sink.astype(jnp.float32).transpose(0, 2, 1, 3))
+        x = x.at[:, :, :n].set(sink.transpose(0, 2, 1, 3))
+    return x
+
+
+def _qjl_rows(store: TurboStore) -> jax.Array:
+    """QJL residual estimates with sink slots zeroed (those are exact), f32 [B, KV, S, hd]."""
+    terms = _qjl_terms(store)
+    return terms if store.sink is None else terms.at[:, :, : store.sink.shape[2]].set(0.0)
+
+
+@kvs.scores.register
+def _(store: TurboStore, q: jax.Array) -> jax.Array:
+    qs = q.astype(jnp.float32)
+    if store.chan_scale is not None:
+        qs = qs * store.chan_scale[None, :, None, :]
+    s = jnp.einsum("bknd,bksd->bkns", rotate(qs, store.quantizer.rotation),
+                   _effective_rotated(store))
+    if store.qjl is not None:
+        s = s + jnp.einsum("bknd,bksd->bkns", qs @ store.qjl.T, _qjl_rows(store))
     return s
 
 
 @kvs.mix.register
 def _(store: TurboStore, p: jax.Array) -> jax.Array:
-    n = 0 if store.sink is None else store.sink.shape[2]
-    out = jnp.einsum("bkns,bksd->bknd", p.at[..., :n].set(0.0), _turbo_rotated(store))
-    out = unrotate(out, store.quantizer.rotation)
+    out = unrotate(jnp.einsum("bkns,bksd->bknd", p, _effective_rotated(store)),
+                   store.quantizer.rotation)
     if store.qjl is not None:
-        masked = p.at[..., :n].set(0.0)
-        out = out + jnp.einsum("bkns,bksd->bknd", masked, _qjl_terms(store)) @ store.qjl
-    if store.center is not None:  # a value store: constant centre, weights sum to 1
-        out = out + jnp.sum(p[..., n:], -1, keepdims=True) * store.center[None, :, None, :]
-    if n:
-        out = out + jnp.einsum("bkns,bksd->bknd", p[..., :n], store.sink.astype(jnp.float32))
+        out = out + jnp.einsum("bkns,bksd->bknd", p, _qjl_rows(store)) @ store.qjl
+    if store.chan_scale is not None:  # (keys only in practice) undo the basis scaling
+        out = out * store.chan_scale[None, :, None, :]
     return out
 
 
