@@ -93,7 +93,8 @@ def main() -> int:
     result = {
         "out": str(args.out), "model": model.source, "weights": args.weights,
         "bpw": round(bits["quantized_bpw"], 6), "bpw_overall_disk": round(
-            meta["disk"]["weights_bpw"], 6), "bytes": meta["disk"]["bytes"],
+            meta["disk"]["weights_bpw"], 6),
+        "bytes": sum(f.stat().st_size for f in args.out.iterdir()),
         "params": bits["params"], "quantized_params": bits["quantized_params"],
         "calibration_tokens": 0 if windows is None else int(windows.size),
         "seconds": round(time.perf_counter() - t0, 2), "load_seconds": round(load_s, 2),

@@ -237,10 +237,16 @@ def test_params_bits_exact(tiny):
     assert math.isclose(bits["bpw"], 8 * bits["bytes"] / bits["params"])
 
 
-def test_tied_head_cannot_be_quantized():
+def test_tied_model_round_trip(tmp_path):
     m = tqjax.load(GOLDEN / "tiny" / "llama_tied")
     with pytest.raises(TqjaxError, match="ties"):
         quantize_params(m.params, m.config, WeightSpec("int8", quantize_embeddings=True))
+    q = quantize_params(m.params, m.config, WeightSpec("int8"))
+    ckpt.save_quantized(tmp_path / "tied", q, m.config, method={}, dense_dtype="bfloat16")
+    loaded = tqjax.load(tmp_path / "tied")
+    assert loaded.params.lm_head is None and loaded.params.embed.dtype == jnp.float32
+    want = tqjax.logits(dataclasses.replace(m, params=q), TOKENS)
+    assert rel_err(tqjax.logits(loaded, TOKENS), want) < 0.01  # bf16-stored dense tensors
 
 
 def test_calibration_text_is_not_evaluation_text():
@@ -355,3 +361,21 @@ def test_gguf_tokenizer_is_saved_and_reloaded(saved, tmp_path, tiny):
     assert set(tok.eos_ids) <= set(m.tokenizer.eos_ids)
     chat = [{"role": "user", "content": "a"}]
     assert m.tokenizer.apply_chat_template(chat) == tok.apply_chat_template(chat)
+
+
+
+def test_quantize_script_json(tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+
+    script = runpy.run_path(str(GOLDEN.parent / "scripts" / "quantize.py"))
+    out = tmp_path / "q"
+    monkeypatch.setattr(sys, "argv", ["quantize.py", "--model", str(GOLDEN / "tiny" / "llama"),
+                                      "--out", str(out), "--weights", "int4-affine",
+                                      "--calibration", "none", "--json"])
+    assert script["main"]() == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"bpw", "bytes", "seconds"} <= set(result)
+    assert result["bytes"] == sum(f.stat().st_size for f in out.iterdir())
+    assert abs(result["bpw"] - 5.0) < 0.01  # 4-bit codes + f16 scale and offset per 32
+    assert ckpt.is_quantized_checkpoint(out)

@@ -11,7 +11,8 @@ A directory holds:
   rebuilt from GGUF metadata or copied from an HF source directory.
 - `quantization.json`, written last: format name and version, the method, per-tensor
   {kind, bits, group, in/out features, lut, rotation}, storage accounting, the source model's
-  name/size/sha256, and the size and sha256 of every other file, all verified on load.
+  name/size/sha256, and the size and sha256 of every other file, all verified on load
+  ("disk": bytes of those files, the weights file alone, and its bits per parameter).
 
 The directory is written next to its target under a temporary name, fsynced, then renamed into
 place (an existing quantized checkpoint there is replaced; anything else is left alone).
@@ -100,17 +101,19 @@ def flatten_params(params: Params) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if v is not None}
 
 
-def _unflatten(flat: dict[str, Any], num_layers: int) -> Params:
+def _unflatten(flat: dict[str, Any], config: ModelConfig) -> Params:
+    optional = {"layers", "lm_head"} if config.tie_embeddings else {"layers"}
+
     def build(cls: type, prefix: str) -> Any:
         values = {}
         for f in dataclasses.fields(cls):
             if prefix + f.name in flat:
                 values[f.name] = flat.pop(prefix + f.name)
-            elif f.default is dataclasses.MISSING and f.name != "layers":
+            elif f.default is dataclasses.MISSING and f.name not in optional:
                 raise TqjaxError(f"quantized checkpoint is missing tensor {prefix + f.name}")
         return values
 
-    layers = [LayerParams(**build(LayerParams, f"layers.{i}.")) for i in range(num_layers)]
+    layers = [LayerParams(**build(LayerParams, f"layers.{i}.")) for i in range(config.num_layers)]
     params = Params(layers=layers, **{"lm_head": None} | build(Params, ""))
     if flat:
         raise TqjaxError(f"quantized checkpoint has unexpected tensors: {', '.join(sorted(flat))}")
@@ -256,6 +259,21 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write a text file via a temporary sibling, fsync, then rename over `path`."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_dir_atomically(target: Path, fill: Callable[[Path], None]) -> None:
     """Create directory `target` by fill(tmp) on a temporary sibling, fsync, then rename.
 
@@ -394,4 +412,4 @@ def load_quantized(path: Path, dtype: str = "float32"
                             for name, info in meta["tensors"].items()}
     jdtype = DENSE_DTYPES[dtype]
     flat |= {k: v if k == "rope_inv_freq" else v.astype(jdtype) for k, v in tensors.items()}
-    return config, _unflatten(flat, config.num_layers), meta
+    return config, _unflatten(flat, config), meta

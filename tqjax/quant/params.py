@@ -4,7 +4,7 @@ Every decoder linear (q/k/v/o, gate/up/down) becomes a `QuantizedLinear`; norms,
 token embedding stay dense, and the output head (untied models) is quantized only with
 `quantize_embeddings`. Data-free by default; with calibration token windows the codes are chosen
 by GPTQ, layer by layer in order, each layer seeing the inputs produced by the already-quantized
-layers before it (`capture` stages below), and the "mixed" allocator uses Fisher sensitivities.
+layers before it (`run_sequential`), and the "mixed" allocator uses Fisher sensitivities.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ METHODS = {  # method -> (kind, bits, default group)
     "int4-affine": ("affine", 4, 32),
 }
 MIXED = "mixed"
+FISHER_TOKENS = 512  # tokens of each calibration window used for Fisher sensitivities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ class WeightSpec:
             raise TqjaxError(f"unknown weight method {self.method!r} "
                              f"(choose from: {', '.join((*METHODS, MIXED))})")
         if (self.method == MIXED) != (self.bpw is not None):
-            raise TqjaxError("--bpw goes with --weights mixed (and mixed needs --bpw)")
+            raise TqjaxError("a bpw target goes with the mixed method, and mixed needs one")
         if self.bpw is not None and not 2.0 < self.bpw <= 16.0:
             raise TqjaxError(f"bpw must be in (2, 16], got {self.bpw}")
         if not 0.0 <= self.damp < 1.0:
@@ -294,8 +295,9 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
     shapes = {p: tuple(get_path(params, p).shape) for p in paths}
     if windows is None:
         sensitivity = dict.fromkeys(paths, 1.0)
-    else:
-        sensitivity = fisher_sensitivity(params, config, paths, windows, fmt.group, spec.seed)
+    else:  # shorter windows bound the memory of the backward pass (logits of a big vocab)
+        sensitivity = fisher_sensitivity(params, config, paths, windows[:, :FISHER_TOKENS],
+                                         fmt.group, spec.seed)
     return allocate(shapes, sensitivity, spec.bpw, fmt.group)
 
 

@@ -193,7 +193,7 @@ def _safe(x: jax.Array) -> jax.Array:
     return jnp.where(x != 0, x, 1.0)
 
 
-_SEARCH = np.linspace(0.7, 1.3, 25)  # "tq" scale candidates, relative to the group's rms
+_SEARCH = np.linspace(0.7, 1.3, 13)  # "tq" scale candidates, relative to the group's rms
 
 
 def _fit_groups(v: jax.Array, h: jax.Array, lut: jax.Array,

@@ -1,0 +1,163 @@
+"""Weight quantization table: perplexity change, KL and top-1 agreement against the f32 weights,
+exact bits per weight, quantize time and quantized-checkpoint load time, on several models and
+texts, plus tq4 weights combined with a compressed KV cache (total memory at 8k tokens).
+
+    python scripts/weights_table.py --models smollm2-135m-instruct --texts shakespeare:macbeth \
+        --runs int8,int4,tq4 --ctx-size 2048 --max-tokens 8192 --out weights_table.json
+
+Writes the JSON (rewritten atomically after every model and text, so a long run can be read
+while it goes) and a markdown table next to it (`.md`). GPTQ and mixed-precision runs calibrate
+on `tqjax.quant.params.calibration_corpus()`, which never overlaps the evaluation texts.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from tqjax.cli import ArgumentParser, run_main
+
+# run name -> (method, bpw, calibrated)
+RUNS = {
+    "int8": ("int8", None, False),
+    "int4": ("int4", None, False),
+    "int4-affine": ("int4-affine", None, False),
+    "tq4-free": ("tq4", None, False),
+    "tq4": ("tq4", None, True),
+    "tq3": ("tq3", None, True),
+    "mixed-4.25": ("mixed", 4.25, True),
+    "mixed-3.5": ("mixed", 3.5, True),
+}
+KV_CONTEXT = 8192
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per model and text."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for text in dict.fromkeys(r["text"] for r in rows if r["model"] == model):
+            out += [f"### {model} — {text}", "",
+                    "| run | weights bpw | KV | PPL | ΔPPL | KL | top-1 | params+KV@8k MiB |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for r in rows:
+                if (r["model"], r["text"]) == (model, text):
+                    out.append(
+                        f"| {r['run']} | {r['bpw']:.4f} | {r['kv']} | {r['ppl']:.3f} | "
+                        f"{r['dppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1']:.3f} | "
+                        f"{r['total_bytes_8k'] / 2**20:.1f} |")
+            out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--texts", default="shakespeare:macbeth,python-stdlib")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
+    p.add_argument("--kv", default="turbo4", metavar="K[/V]",
+                   help="compressed KV cache combined with f32 and tq4 weights ('' = none)")
+    p.add_argument("--ctx-size", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--calibration-windows", type=int, default=8)
+    p.add_argument("--calibration-length", type=int, default=1024)
+    p.add_argument("--checkpoint-run", default="tq4",
+                   help="run saved as a quantized checkpoint to time its load and size")
+    p.add_argument("--out", type=Path, default=Path("weights_table.json"))
+    args = p.parse_args()
+
+    import dataclasses
+
+    import tqjax
+    from tqjax.decode.generate import new_cache
+    from tqjax.eval import sweep
+    from tqjax.fetch import corpus_text
+    from tqjax.kv.cache import bytes_per_token, check_spec
+    from tqjax.quant.checkpoint import save_quantized, write_text_atomically
+    from tqjax.quant.params import (
+        WeightSpec,
+        calibration_corpus,
+        calibration_windows,
+        params_bits,
+        quantize_params,
+    )
+
+    runs = [r for r in args.runs.split(",") if r]
+    for r in runs:
+        if r not in RUNS:
+            raise tqjax.TqjaxError(f"unknown run {r!r} (choose from: {', '.join(RUNS)})")
+    kv_spec = None
+    if args.kv:
+        k, _, v = args.kv.partition("/")
+        kv_spec = tqjax.CacheSpec(k, v or k)
+        check_spec(kv_spec)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "models": {}, "rows": []}
+
+    def save() -> None:
+        write_text_atomically(args.out, json.dumps(report, indent=1))
+        write_text_atomically(args.out.with_suffix(".md"), markdown(report["rows"]))
+
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        model = tqjax.load(name)
+        info: dict = {"source": model.source, "load_seconds": time.perf_counter() - t0,
+                      "f32": params_bits(model.params), "runs": {}}
+        report["models"][name] = info
+        windows = calibration_windows(model.tokenizer, calibration_corpus(),
+                                      args.calibration_windows, args.calibration_length)
+        variants = {"f32": (model, tqjax.CacheSpec())}
+        for run in runs:
+            method, bpw, calibrated = RUNS[run]
+            spec = WeightSpec(method, bpw=bpw)
+            t0 = time.perf_counter()
+            params = quantize_params(model.params, model.config, spec,
+                                     windows if calibrated else None, progress=True)
+            entry = {"quantize_seconds": time.perf_counter() - t0, "memory": params_bits(params),
+                     "calibration_tokens": int(windows.size) if calibrated else 0}
+            if run == args.checkpoint_run:  # size on disk, load time vs the source file
+                with tempfile.TemporaryDirectory(dir=args.out.parent.absolute()) as tmp:
+                    meta = save_quantized(Path(tmp) / "ckpt", params, model.config,
+                                          method=dataclasses.asdict(spec),
+                                          tokenizer=model.tokenizer, source=Path(model.source),
+                                          dense_dtype="float16")
+                    t0 = time.perf_counter()
+                    tqjax.load(Path(tmp) / "ckpt")
+                    entry |= {"checkpoint_load_seconds": time.perf_counter() - t0,
+                              "disk": meta["disk"]}
+            info["runs"][run] = entry
+            variants[run] = (dataclasses.replace(model, params=params), tqjax.CacheSpec())
+            print(json.dumps({"model": name, "run": run, "bpw": entry["memory"]["quantized_bpw"],
+                              "seconds": round(entry["quantize_seconds"], 1)}), flush=True)
+        if kv_spec is not None:
+            variants[f"f32+kv {args.kv}"] = (dataclasses.replace(model), kv_spec)
+            if "tq4" in variants:
+                variants[f"tq4+kv {args.kv}"] = (dataclasses.replace(variants["tq4"][0]),
+                                                  kv_spec)
+        save()
+        for text in args.texts.split(","):
+            ids = model.tokenizer.encode(corpus_text(text))[:args.max_tokens]
+            results = sweep(ids, args.ctx_size, variants, reference="f32")
+            base = results["f32"].ppl
+            for run, res in results.items():
+                m, spec = variants[run]
+                cache = new_cache(m.params, m.config, spec, 1, 64, m.calibration(spec))
+                bits = params_bits(m.params)
+                weights = run.split("+")[0]
+                report["rows"].append({
+                    "model": name, "text": text, "run": run, "kv": spec.k + "/" + spec.v,
+                    "bpw": bits["quantized_bpw"] if weights != "f32" else 32.0,
+                    "bpw_overall": bits["bpw"], "params_bytes": bits["bytes"],
+                    "kv_bytes_per_token": bytes_per_token(cache),
+                    "total_bytes_8k": bits["bytes"] + KV_CONTEXT * bytes_per_token(cache),
+                    "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / base - 1), "kl": res.kl,
+                    "top1": res.top1 if run != "f32" else 1.0, "tokens": res.tokens,
+                    "windows": res.windows})
+                print(json.dumps(report["rows"][-1]), flush=True)
+            save()
+    print(markdown(report["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
