@@ -123,7 +123,6 @@ def _lloyd_map(
     return lloyd, newton if ordered else lloyd
 
 
-@functools.lru_cache(maxsize=64)
 def lloyd_max(bits: int, dim: int | None = None) -> Codebook:
     """The Lloyd–Max codebook with 2^bits levels for `coordinate_density(·, dim)`.
 
@@ -137,6 +136,11 @@ def lloyd_max(bits: int, dim: int | None = None) -> Codebook:
     if not isinstance(bits, int) or not 1 <= bits <= 8:
         raise TqjaxError(f"codebook bits must be an integer in 1..8, got {bits!r}")
     _check_dim(dim)
+    return _lloyd_max(bits, dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _lloyd_max(bits: int, dim: int | None) -> Codebook:
     s, density, mass, first, second, compand = _grid(dim)
     half = 1 << (bits - 1)
     to_t = 1.0 if dim is None else 1.0 / math.sqrt(dim)
