@@ -46,7 +46,12 @@ def main() -> int:
     p.add_argument("--ctx-size", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=Path("kv_table.jsonl"))
+    p.add_argument("--report", type=Path, default=None,
+                   help="only print the markdown table of an existing JSONL file")
     args = p.parse_args()
+    if args.report is not None:
+        print_markdown([json.loads(line) for line in args.report.read_text().splitlines()])
+        return 0
 
     import dataclasses
 
@@ -78,12 +83,16 @@ def main() -> int:
                 rows.append(row)
                 with args.out.open("a") as f:  # append-only log of finished rows
                     f.write(json.dumps(row) + "\n")
+    print_markdown(rows)
+    return 0
+
+
+def print_markdown(rows: list[dict]) -> None:
     print("| model | text | cache K/V | bits/value | PPL | ΔPPL | KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['text']} | {r['type']} | {r['bits_per_value']:.2f} | "
               f"{r['ppl']:.3f} | {r['dppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1']:.3f} |")
-    return 0
 
 
 if __name__ == "__main__":
