@@ -85,6 +85,8 @@ def sweep(ids: list[int] | np.ndarray, ctx: int, runs: dict[str, Run],
                 k, a = _compare(ref_logp, logp)
                 kl[name], agree[name] = kl[name] + float(k), agree[name] + int(a)
     n = windows * (ctx - 1)
+    if reference is not None:  # the reference agrees with itself
+        agree[reference] = n
     return {name: PerplexityResult(
         ppl=float(np.exp(nll[name] / n)), nll=nll[name] / n, tokens=n, windows=windows,
         kl=kl[name] / n if reference is not None else None,
