@@ -42,7 +42,8 @@ def main() -> int:
     spec = cache_spec(args)
     if args.ctx_size is not None and args.ctx_size < 2:
         raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
-    model = tqjax.load(args.model, dtype=args.dtype, progress=not args.json)
+    model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       progress=not args.json)
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)

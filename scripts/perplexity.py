@@ -43,7 +43,8 @@ def main() -> int:
         source = str(args.text_file)
     else:
         text, source = corpus_text(args.corpus), args.corpus
-    model = tqjax.load(args.model, dtype=args.dtype, progress=not args.json)
+    model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       progress=not args.json)
     ids = model.tokenizer.encode(text, add_bos=False)
     if args.max_tokens:
         ids = ids[: args.max_tokens]

@@ -63,9 +63,15 @@ def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
     return path
 
 
+ON_THE_FLY_CALIBRATION = (4, 512)  # windows x tokens of calibration text for `weights=`
+
+
 def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
-         progress: bool = False) -> Model:
-    """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory or .gguf file."""
+         progress: bool = False, weights: str | None = None, bpw: float | None = None) -> Model:
+    """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory, .gguf file or
+    quantized checkpoint directory. `weights` ("tq4", "tq3", "mixed" with `bpw`, "int8",
+    "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short built-in
+    calibration text; `scripts/quantize.py` saves the result instead)."""
     path = resolve_path(path_or_name, progress)
     config, params, meta = load_checkpoint(path, dtype, progress)
     if not path.is_dir():
@@ -74,6 +80,21 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
         tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
     else:
         tokenizer = None
+    if weights is not None:
+        from tqjax.quant.params import (
+            WeightSpec,
+            calibration_corpus,
+            calibration_windows,
+            quantize_params,
+        )
+
+        spec = WeightSpec(weights, bpw=bpw)
+        windows = None
+        if tokenizer is not None:
+            count, length = ON_THE_FLY_CALIBRATION
+            windows = calibration_windows(tokenizer, calibration_corpus(), count,
+                                          min(length, config.max_position))
+        params = quantize_params(params, config, spec, windows, progress=progress)
     return Model(config, params, tokenizer, str(path), dtype)
 
 

@@ -30,6 +30,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter and compute dtype (default float32: fastest on CPU)")
+    p.add_argument("--weights", default=None,
+                   choices=["tq4", "tq3", "tq2", "mixed", "int8", "int4", "int4-affine"],
+                   help="quantize the weights on the fly (see scripts/quantize.py to save them)")
+    p.add_argument("--bpw", type=float, default=None, help="target bits per weight for mixed")
     p.add_argument("--cache-type-k", default=None,
                    help="KV cache format for keys: f32 (default), bf16, f16, q8, q4, turbo2, "
                         "turbo2.5, turbo3, turbo3.5, turbo4, turboN-prod; given alone it "
