@@ -79,6 +79,8 @@ def main() -> int:
         WeightSpec,
         calibration_corpus,
         calibration_windows,
+        get_path,
+        linear_paths,
         params_bits,
         quantize_params,
     )
@@ -114,7 +116,8 @@ def main() -> int:
             params = quantize_params(model.params, model.config, spec,
                                      windows if calibrated else None, progress=True)
             entry = {"quantize_seconds": time.perf_counter() - t0, "memory": params_bits(params),
-                     "calibration_tokens": int(windows.size) if calibrated else 0}
+                     "calibration_tokens": int(windows.size) if calibrated else 0,
+                     "bits": {p: get_path(params, p).bits for p in linear_paths(params)}}
             if run == args.checkpoint_run:  # size on disk, load time vs the source file
                 with tempfile.TemporaryDirectory(dir=args.out.parent.absolute()) as tmp:
                     meta = save_quantized(Path(tmp) / "ckpt", params, model.config,

@@ -13,7 +13,9 @@ white within each group. The predicted loss increase of giving tensor l b bits i
 
 `allocate` solves min Σ a_l·D(b_l) subject to Σ stored bits <= bpw · Σ params (shared codebooks
 and rotation included) greedily: it takes single-step upgrades in order of loss reduction per
-stored bit (D is convex in b, so each tensor's steps come in order).
+stored bit (D is convex in b, so each tensor's steps come in order). Every tensor gets at least
+3 bits when the budget allows it: 2-bit codes (D = 0.115) are far outside the second-order
+regime the sensitivities describe.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.weights import WeightFormat
 
 CANDIDATE_BITS = (2, 3, 4, 5, 6, 8)
+PREFERRED_MIN_BITS = 3  # below it the error is outside the second-order (Fisher) regime
 
 
 def candidate_formats(group: int) -> list[WeightFormat]:
@@ -49,15 +52,22 @@ def allocate(shapes: dict[str, tuple[int, int]], sensitivity: dict[str, float], 
     Raises TqjaxError when even the smallest format exceeds the budget.
     """
     formats = candidate_formats(group)
-    dist = [relative_distortion(f) for f in formats]
     n_params = sum(k * n for k, n in shapes.values())
     budget = bpw * n_params - shared_bits(formats)
+
+    def floor_bits(fmt: WeightFormat) -> int:
+        return sum(fmt.tensor_bits(k, n) for k, n in shapes.values())
+
+    if floor_bits(formats[0]) > budget:
+        least = (floor_bits(formats[0]) + shared_bits(formats)) / n_params
+        raise TqjaxError(f"bpw {bpw} is below the smallest mixed format ({least:.3f} bits/weight "
+                         f"with group {group})")
+    while len(formats) > 1 and formats[0].bits < PREFERRED_MIN_BITS and floor_bits(
+            formats[1]) <= budget:
+        formats = formats[1:]  # 2-bit codes only when the budget needs them
+    dist = [relative_distortion(f) for f in formats]
     cost = {p: [f.tensor_bits(k, n) for f in formats] for p, (k, n) in shapes.items()}
     used = sum(c[0] for c in cost.values())
-    if used > budget:
-        floor = (used + shared_bits(formats)) / n_params
-        raise TqjaxError(f"bpw {bpw} is below the smallest mixed format ({floor:.3f} bits/weight "
-                         f"with group {group})")
     steps = sorted(((sensitivity[p] * (dist[j] - dist[j + 1]) / (c[j + 1] - c[j]), i, j, p)
                     for i, (p, c) in enumerate(cost.items()) for j in range(len(formats) - 1)),
                    key=lambda s: (-s[0], s[1], s[2]))

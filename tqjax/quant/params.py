@@ -48,7 +48,7 @@ METHODS = {  # method -> (kind, bits, default group)
     "int4-affine": ("affine", 4, 32),
 }
 MIXED = "mixed"
-FISHER_TOKENS = 512  # tokens of each calibration window used for Fisher sensitivities
+FISHER_TOKENS = 256  # tokens of each calibration window used for Fisher sensitivities
 
 
 @dataclasses.dataclass(frozen=True)
