@@ -14,7 +14,7 @@ from tqjax.cli import ArgumentParser, print_json, run_main
 CALIBRATION_HELP = ("calibration text for GPTQ and mixed-precision sensitivities: 'default' "
                     "(built-in text, Milton, stdlib modules outside the evaluation set), 'builtin' "
                     "(tqjax/data/calibration.txt only), 'none' (data-free), or corpus specs "
-                    "joined by '+' (e.g. 'shakespeare:hamlet+python-stdlib'); never evaluate on it")
+                    "joined by '+' (e.g. 'shakespeare:hamlet+milton:comus'); never evaluate on it")
 
 
 def parse_args(argv: list[str] | None = None) -> object:
@@ -45,28 +45,19 @@ def parse_args(argv: list[str] | None = None) -> object:
     return p.parse_args(argv)
 
 
-def calibration_source(spec: str) -> str | None:
-    """The calibration text for a --calibration value (None for 'none')."""
-    from tqjax.decode.calibrate import calibration_text
-    from tqjax.fetch import corpus_text
-    from tqjax.quant.params import calibration_corpus
-
-    if spec == "none":
-        return None
-    if spec == "default":
-        return calibration_corpus()
-    if spec == "builtin":
-        return calibration_text()
-    return "\n".join(corpus_text(part) for part in spec.split("+"))
-
-
 def main() -> int:
     args = parse_args()
     import dataclasses
 
     import tqjax
     from tqjax.quant.checkpoint import save_quantized
-    from tqjax.quant.params import WeightSpec, calibration_windows, params_bits, quantize_params
+    from tqjax.quant.params import (
+        WeightSpec,
+        calibration_source,
+        calibration_windows,
+        params_bits,
+        quantize_params,
+    )
 
     spec = WeightSpec(args.weights, bpw=args.bpw, group_size=args.group_size,
                       quantize_embeddings=args.quantize_embeddings, seed=args.seed)

@@ -21,6 +21,7 @@ from tqjax.quant.packing import unpack_bits
 from tqjax.quant.params import (
     CALIBRATION_MODULES,
     WeightSpec,
+    calibration_source,
     fisher_sensitivity,
     get_path,
     linear_paths,
@@ -252,7 +253,13 @@ def test_tied_model_round_trip(tmp_path):
 
 
 def test_calibration_text_is_not_evaluation_text():
+    from tqjax.decode.calibrate import calibration_text
+
     assert not set(CALIBRATION_MODULES) & set(PYTHON_STDLIB_MODULES)
+    assert calibration_source("none") is None
+    assert calibration_source("builtin") == calibration_text()
+    with pytest.raises(TqjaxError, match="corpus"):
+        calibration_source("wikipedia")
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -223,6 +223,21 @@ def calibration_corpus(chars: int = CALIBRATION_CHARS) -> str:
     return prose[:chars] + "\n" + code[:chars]
 
 
+def calibration_source(spec: str) -> str | None:
+    """Calibration text for a user-facing choice: "default" (`calibration_corpus`), "builtin"
+    (tqjax/data/calibration.txt), "none" (data-free: None), or corpus specs of
+    `tqjax.fetch.corpus_text` joined by "+" (e.g. "shakespeare:hamlet+milton:comus")."""
+    from tqjax.fetch import corpus_text
+
+    if spec == "none":
+        return None
+    if spec == "default":
+        return calibration_corpus()
+    if spec == "builtin":
+        return calibration_text()
+    return "\n".join(corpus_text(part) for part in spec.split("+"))
+
+
 def calibration_windows(tokenizer: Tokenizer, text: str, count: int = 8,
                         length: int = 1024) -> np.ndarray:
     """`count` windows of `length` token ids spread evenly over `text` -> int32 [count, length]."""
