@@ -19,7 +19,7 @@ CALIBRATION_HELP = ("calibration text for GPTQ and mixed-precision sensitivities
 
 def parse_args(argv: list[str] | None = None) -> object:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
-    from tqjax.quant.params import METHODS, MIXED
+    from tqjax.models.quantize import METHODS, MIXED
 
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
@@ -50,8 +50,8 @@ def main() -> int:
     import dataclasses
 
     import tqjax
-    from tqjax.quant.checkpoint import save_quantized
-    from tqjax.quant.params import (
+    from tqjax.models.checkpoint import save_quantized
+    from tqjax.models.quantize import (
         WeightSpec,
         calibration_source,
         calibration_windows,

@@ -7,7 +7,7 @@ texts, plus tq4 weights combined with a compressed KV cache (total memory at 8k 
 
 Writes the JSON (rewritten atomically after every model and text, so a long run can be read
 while it goes) and a markdown table next to it (`.md`). GPTQ and mixed-precision runs calibrate
-on `tqjax.quant.params.calibration_corpus()`, which never overlaps the evaluation texts.
+on `tqjax.models.quantize.calibration_corpus()`, which never overlaps the evaluation texts.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def main() -> int:
     from tqjax.eval import sweep
     from tqjax.fetch import corpus_text
     from tqjax.kv.cache import bytes_per_token, check_spec
-    from tqjax.quant.checkpoint import save_quantized, write_text_atomically
-    from tqjax.quant.params import (
+    from tqjax.models.checkpoint import save_quantized, write_text_atomically
+    from tqjax.models.quantize import (
         WeightSpec,
         calibration_corpus,
         calibration_windows,
@@ -117,7 +117,8 @@ def main() -> int:
                                      windows if calibrated else None, progress=True)
             entry = {"quantize_seconds": time.perf_counter() - t0, "memory": params_bits(params),
                      "calibration_tokens": int(windows.size) if calibrated else 0,
-                     "bits": {p: get_path(params, p).bits for p in linear_paths(params)}}
+                     "bits": {p: get_path(params, p).bits
+                              for p in linear_paths(params, spec.quantize_embeddings)}}
             if run == args.checkpoint_run:  # size on disk, load time vs the source file
                 with tempfile.TemporaryDirectory(dir=args.out.parent.absolute()) as tmp:
                     meta = save_quantized(Path(tmp) / "ckpt", params, model.config,

@@ -13,12 +13,8 @@ import tqjax
 from tqjax.decode.generate import new_cache
 from tqjax.errors import TqjaxError
 from tqjax.fetch import PYTHON_STDLIB_MODULES
-from tqjax.models.tokenizer import tokenizer_from_gguf
-from tqjax.models.transformer import forward
-from tqjax.quant import checkpoint as ckpt
-from tqjax.quant.mixed import allocate, candidate_formats, relative_distortion
-from tqjax.quant.packing import unpack_bits
-from tqjax.quant.params import (
+from tqjax.models import checkpoint as ckpt
+from tqjax.models.quantize import (
     CALIBRATION_MODULES,
     WeightSpec,
     calibration_source,
@@ -30,6 +26,10 @@ from tqjax.quant.params import (
     run_sequential,
     weight_formats,
 )
+from tqjax.models.tokenizer import tokenizer_from_gguf
+from tqjax.models.transformer import forward
+from tqjax.quant.mixed import allocate, candidate_formats, relative_distortion
+from tqjax.quant.packing import unpack_bits
 from tqjax.quant.weights import (
     WeightFormat,
     dequantize_weight,
@@ -253,7 +253,7 @@ def test_tied_model_round_trip(tmp_path):
 
 
 def test_calibration_text_is_not_evaluation_text():
-    from tqjax.decode.calibrate import calibration_text
+    from tqjax.data import calibration_text
 
     assert not set(CALIBRATION_MODULES) & set(PYTHON_STDLIB_MODULES)
     assert calibration_source("none") is None

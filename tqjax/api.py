@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax import fetch
-from tqjax.decode.calibrate import calibrate, calibration_text
+from tqjax.data import calibration_text
+from tqjax.decode.calibrate import calibrate
 from tqjax.decode.generate import (
     GenerationResult,
     full_logits,
@@ -81,7 +82,7 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     else:
         tokenizer = None
     if weights is not None:
-        from tqjax.quant.params import (
+        from tqjax.models.quantize import (
             WeightSpec,
             calibration_corpus,
             calibration_windows,

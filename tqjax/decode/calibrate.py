@@ -8,7 +8,6 @@ averaged. The first tokens are skipped: attention-sink keys are atypical.
 from __future__ import annotations
 
 import functools
-from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,6 @@ from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, forward
 
 SKIP_TOKENS = 4
-
-
-def calibration_text() -> str:
-    return resources.files("tqjax.data").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
 def _pair_energy(x: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tqjax.errors import TqjaxError
+from tqjax.models import checkpoint
 from tqjax.models.config import ModelConfig, config_from_gguf, config_from_hf, rope_inv_freq
 from tqjax.models.transformer import LayerParams, Params
 
@@ -207,12 +208,8 @@ def load_checkpoint(path: Path, dtype: str = "float32",
     jdtype = resolve_dtype(dtype)
     if not path.exists():
         raise TqjaxError(f"no such file or directory: {path}")
-    # --- quantized checkpoint directories (issue 4): tqjax.quant.checkpoint ---
-    from tqjax.quant import checkpoint
-
     if checkpoint.is_quantized_checkpoint(path):
         return checkpoint.load_quantized(path, dtype)
-    # --- end quantized checkpoints ---
     if path.is_dir():
         config, meta = read_hf_config(path), {}
         files = safetensors_files(path)

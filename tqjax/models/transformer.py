@@ -55,11 +55,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def attention_block(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
+def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
                     sin: jax.Array, start: jax.Array, layer_cache: kvc.LayerCache
                     ) -> tuple[jax.Array, kvc.LayerCache, jax.Array]:
-    """x [B, T, D] (already normed) -> attention output [B, T, D], the updated cache and the
-    post-RoPE queries [B, T, H, hd] (used by cache calibration)."""
+    """x [B, T, D] (already normed) -> the concatenated head outputs [B, T, H*hd] (the o_proj
+    input), the updated cache and the post-RoPE queries [B, T, H, hd] (used by calibration)."""
     b, t, _ = x.shape
     hd = config.head_dim
     q, k, v = qw.linear(x, lp.wq), qw.linear(x, lp.wk), qw.linear(x, lp.wv)
@@ -72,7 +72,12 @@ def attention_block(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax
         q, k = rms_norm(q, lp.q_norm, config.rms_eps), rms_norm(k, lp.k_norm, config.rms_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out, layer_cache = kvc.attend(layer_cache, q, k, v, start)
-    return qw.linear(out.reshape(b, t, -1), lp.wo), layer_cache, q
+    return out.reshape(b, t, -1), layer_cache, q
+
+
+def gated_activation(lp: LayerParams, x: jax.Array) -> jax.Array:
+    """x [B, T, D] (already normed) -> silu(x·W_gate) ∘ (x·W_up) [B, T, F] (the down_proj input)."""
+    return jax.nn.silu(qw.linear(x, lp.w_gate)) * qw.linear(x, lp.w_up)
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
@@ -92,14 +97,12 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
     new_layers = []
     for lp, layer_cache in zip(params.layers, cache.layers, strict=True):
-        h, layer_cache, q = attention_block(lp, config, rms_norm(x, lp.attn_norm, config.rms_eps),
-                                            cos, sin, start, layer_cache)
+        heads, layer_cache, q = attention_heads(
+            lp, config, rms_norm(x, lp.attn_norm, config.rms_eps), cos, sin, start, layer_cache)
         if queries is not None:
             queries.append(q)
-        x = x + h
-        hn = rms_norm(x, lp.mlp_norm, config.rms_eps)
-        gated = jax.nn.silu(qw.linear(hn, lp.w_gate)) * qw.linear(hn, lp.w_up)
-        x = x + qw.linear(gated, lp.w_down)
+        x = x + qw.linear(heads, lp.wo)
+        x = x + qw.linear(gated_activation(lp, rms_norm(x, lp.mlp_norm, config.rms_eps)), lp.w_down)
         new_layers.append(layer_cache)
     if out_index is not None:
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]

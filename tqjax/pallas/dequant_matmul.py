@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,23 @@ from jax.experimental.pallas import triton as plgpu
 from tqjax.errors import TqjaxError
 from tqjax.pallas.backend import default_interpret
 
-if TYPE_CHECKING:
-    from tqjax.quant.weights import QuantizedLinear
+
+class PackedWeight(Protocol):
+    """What the kernel reads of a `tqjax.quant.weights.QuantizedLinear` (structural type, so
+    this ground-layer module imports nothing above it)."""
+
+    packed: jax.Array  # uint8 [K_pad·bits/8, N] code bit stream along K
+    scale: jax.Array  # f16 [K_pad/group, N]
+    offset: jax.Array | None  # f16 [K_pad/group, N] (affine formats)
+    lut: jax.Array  # [2^bits] code values
+    bits: int
+    group: int
+
+    @property
+    def padded_in(self) -> int: ...  # K_pad: input features padded to whole groups
+
+    @property
+    def out_features(self) -> int: ...  # N
 
 DECODE_ROWS = 8  # up to this many rows use the row-wise (GEMV-like) tiling
 TARGET_PROGRAMS = 256  # aim for about two programs per SM on a large GPU
@@ -61,7 +76,7 @@ def tile_rows(group: int) -> int:
     return min(group & -group, MAX_TILE)
 
 
-def supported(x_shape: tuple[int, ...], w: QuantizedLinear) -> bool:
+def supported(x_shape: tuple[int, ...], w: PackedWeight) -> bool:
     """Whether `dequant_matmul` handles x [M, K_pad] with w (else use the XLA reference)."""
     return (len(x_shape) == 2 and x_shape[1] == w.padded_in and tile_rows(w.group) >= 16
             and w.out_features % 16 == 0 and 1 <= w.bits <= 8)
@@ -138,7 +153,7 @@ def _kernel(x_ref: object, packed_ref: object, scale_ref: object, offset_ref: ob
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
-def _dequant_matmul(x: jax.Array, w: QuantizedLinear, interpret: bool,
+def _dequant_matmul(x: jax.Array, w: PackedWeight, interpret: bool,
                     tiling: Tiling) -> jax.Array:
     m, k = x.shape
     n, groups, tile = w.out_features, k // w.group, tile_rows(w.group)
@@ -177,7 +192,7 @@ def _dequant_matmul(x: jax.Array, w: QuantizedLinear, interpret: bool,
     return jnp.sum(out, axis=0)[:m].astype(x.dtype)
 
 
-def dequant_matmul(x_rotated: jax.Array, w: QuantizedLinear, *, interpret: bool | None = None,
+def dequant_matmul(x_rotated: jax.Array, w: PackedWeight, *, interpret: bool | None = None,
                    tiling: Tiling | None = None) -> jax.Array:
     """x_rotated [M, K_pad] (already `rotate_input`-ed) @ dequantize_weight(w) → [M, N] in x's
     dtype, without materialising the weight. interpret: None = automatic (CPU → interpret mode);
@@ -192,7 +207,7 @@ def dequant_matmul(x_rotated: jax.Array, w: QuantizedLinear, *, interpret: bool 
     return _dequant_matmul(x_rotated, w, interpret, tiling)
 
 
-def weight_bytes(w: QuantizedLinear) -> int:
+def weight_bytes(w: PackedWeight) -> int:
     """Bytes a dequant_matmul call must read for w (codes, scales, offsets, LUT)."""
     leaves = [w.packed, w.scale, w.lut] + ([] if w.offset is None else [w.offset])
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in leaves)

@@ -21,13 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tqjax.decode.calibrate import calibration_text
+from tqjax.data import calibration_text
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
-from tqjax.models.transformer import LayerParams, Params, attention_block, forward, rms_norm
+from tqjax.models.transformer import (
+    LayerParams,
+    Params,
+    attention_heads,
+    forward,
+    gated_activation,
+    rms_norm,
+)
 from tqjax.quant.mixed import allocate
 from tqjax.quant.weights import (
     HessianFactor,
@@ -126,34 +133,23 @@ def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _attention(lp: LayerParams, config: ModelConfig, hn: jax.Array,
-               inv_freq: jax.Array) -> jax.Array:
-    """Normed x [B, T, D] -> the o_proj input [B, T, H*hd] (causal attention from position 0)."""
+def _heads(lp: LayerParams, config: ModelConfig, hn: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Normed x [B, T, D] -> the o_proj input [B, T, H*hd] (causal attention from position 0,
+    dense cache)."""
     b, t, _ = hn.shape
     cos, sin = rope_cos_sin(jnp.arange(t)[None], inv_freq)
     cache = make_cache(CacheSpec(), batch=b, slots=t, num_layers=1,
                        kv_heads=config.num_kv_heads, head_dim=config.head_dim).layers[0]
-    eye = jnp.eye(config.num_heads * config.head_dim, dtype=hn.dtype)  # so wo is the identity
-    return attention_block(lp.replace(wo=eye), config, hn, cos[:, :, None], sin[:, :, None],
+    return attention_heads(lp, config, hn, cos[:, :, None], sin[:, :, None],
                            jnp.zeros(b, jnp.int32), cache)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _residual_attention(lp: LayerParams, config: ModelConfig, x: jax.Array,
-                        attn: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(x + o_proj(attn), its mlp-normed form: the gate/up input)."""
-    x = x + linear(attn, lp.wo)
-    return x, rms_norm(x, lp.mlp_norm, config.rms_eps)
-
-
 @jax.jit
-def _gated(lp: LayerParams, hn: jax.Array) -> jax.Array:
-    return jax.nn.silu(linear(hn, lp.w_gate)) * linear(hn, lp.w_up)
+def _add_linear(x: jax.Array, inputs: jax.Array, w: Any) -> jax.Array:
+    return x + linear(inputs, w)
 
 
-@jax.jit
-def _residual_mlp(lp: LayerParams, x: jax.Array, gated: jax.Array) -> jax.Array:
-    return x + linear(gated, lp.w_down)
+_gated = jax.jit(gated_activation)
 
 
 @jax.jit
@@ -172,7 +168,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
 
     windows int32 [W, T] (calibration tokens, each window from position 0). For every linear,
     quantize(path, weight, H) returns its replacement, H = Σ x xᵀ f32 [in, in] over the inputs
-    the layer gets in the partly quantized model (the same transformer block as
+    the layer gets in the partly quantized model (the blocks of
     `transformer.forward`, run in stages). `head` also replaces the untied output head.
     Returns the new params and the final-normed hidden states (one [1, T, D] per window).
     """
@@ -188,14 +184,14 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
     for i, lp in enumerate(params.layers):
         hn = [_norm(xi, lp.attn_norm, eps) for xi in x]
         lp = stage(lp, i, ("wq", "wk", "wv"), hn)
-        attn = [_attention(lp, config, h, inv_freq) for h in hn]
-        lp = stage(lp, i, ("wo",), attn)
-        pairs = [_residual_attention(lp, config, xi, a) for xi, a in zip(x, attn, strict=True)]
-        x, hn = [p[0] for p in pairs], [p[1] for p in pairs]
-        lp = stage(lp, i, ("w_gate", "w_up"), list(hn))
+        heads = [_heads(lp, config, h, inv_freq) for h in hn]
+        lp = stage(lp, i, ("wo",), heads)
+        x = [_add_linear(xi, a, lp.wo) for xi, a in zip(x, heads, strict=True)]
+        hn = [_norm(xi, lp.mlp_norm, eps) for xi in x]
+        lp = stage(lp, i, ("w_gate", "w_up"), hn)
         gated = [_gated(lp, h) for h in hn]
         lp = stage(lp, i, ("w_down",), gated)
-        x = [_residual_mlp(lp, xi, g) for xi, g in zip(x, gated, strict=True)]
+        x = [_add_linear(xi, g, lp.w_down) for xi, g in zip(x, gated, strict=True)]
         layers.append(lp)
     params = params.replace(layers=layers)
     hidden = [_norm(xi, params.final_norm, eps) for xi in x]

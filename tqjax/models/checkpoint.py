@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from tqjax.errors import TqjaxError
 from tqjax.models.config import ModelConfig, RopeScaling
+from tqjax.models.quantize import params_bits
 from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LayerParams, Params
 from tqjax.quant.rotation import Rotation
@@ -321,8 +322,6 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     always stay f32.
     """
     from safetensors.flax import save_file
-
-    from tqjax.quant.params import params_bits
 
     if dense_dtype is not None and dense_dtype not in DENSE_DTYPES:
         raise TqjaxError(f"unknown dense dtype {dense_dtype!r} (choose from: "
