@@ -152,7 +152,8 @@ def main() -> int:
     with use_backend(args.backend):
         result["tqjax"] = bench_tqjax(model, spec, args.prompt_tokens, args.context,
                                       args.decode_tokens, args.repeats)
-    result |= {"backend": args.backend, **kv_footprint(model, spec)}
+    result |= {"backend": args.backend,
+               **kv_footprint(model, spec, max(args.context, args.prompt_tokens))}
     if args.hf:
         if not model.source.endswith(".gguf"):
             raise TqjaxError("--hf compares against a GGUF model loaded by transformers")

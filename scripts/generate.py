@@ -64,7 +64,8 @@ def main() -> int:
             "prefill_tok_s": round(result.prefill_tok_s, 2),
             "decode_tok_s": round(result.decode_tok_s, 2),
             "model": model.source, "dtype": args.dtype, "backend": args.backend,
-            "cache_type_k": spec.k, "cache_type_v": spec.v, **kv_footprint(model, spec),
+            "cache_type_k": spec.k, "cache_type_v": spec.v,
+            **kv_footprint(model, spec, args.ctx_size),
         })
     else:
         sys.stdout.write("\n")

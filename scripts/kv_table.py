@@ -13,36 +13,38 @@ import time
 from pathlib import Path
 
 from tqjax.cli import ArgumentParser, run_main
+from tqjax.errors import TqjaxError
 
 DEFAULT_TYPES = ("bf16,q8,q4,turbo4,turbo3.5,turbo3,turbo2.5,turbo2,turbo4/turbo3,"
-                 "turbo3.5/turbo3,turbo4-prod,turbo4:naive,turbo3:naive")
+                 "turbo3.5/turbo3,turbo4-prod,turbo4:nowindow,turbo4:naive,turbo3:naive")
 
 
 def parse_type(item: str) -> tuple[str, dict]:
-    """"K[/V][:naive]" -> (label, CacheSpec kwargs); naive turns every robustness step off."""
+    """"K[/V][:flag]" -> (label, CacheSpec kwargs). Flags: naive (every robustness step off),
+    nowindow (no exact recent window), window16/window64 (other window lengths)."""
     body, _, flag = item.partition(":")
     k, _, v = body.partition("/")
-    kw: dict = {"k": k, "v": v or k}
-    if flag == "naive":
-        kw |= {"center_keys": False, "center_values": False, "balance_keys": False,
-                "sink_tokens": 0}
-    return item, kw
+    if flag not in FLAGS:
+        raise TqjaxError(f"unknown flag {flag!r} in {item!r} (choose from: {', '.join(FLAGS)})")
+    return item, {"k": k, "v": v or k, **FLAGS[flag]}
 
 
-def bits_per_value(model: object, spec: object) -> float:
-    from tqjax.decode.generate import new_cache
-    from tqjax.kv.cache import bytes_per_token
-
-    cfg = model.config
-    cache = new_cache(model.params, cfg, spec, 1, 64, model.calibration(spec))
-    return 8 * bytes_per_token(cache) / (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim)
+FLAGS = {
+    "": {},
+    "naive": {"center_keys": False, "center_values": False, "balance_keys": False,
+              "sink_tokens": 0, "recent_tokens": 0},
+    "nowindow": {"recent_tokens": 0},
+    "window16": {"recent_tokens": 16},
+    "window64": {"recent_tokens": 64},
+}
 
 
 def main() -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     p.add_argument("--texts", default="shakespeare:hamlet,python-stdlib")
-    p.add_argument("--types", default=DEFAULT_TYPES, help="comma list of K[/V][:naive]")
+    p.add_argument("--types", default=DEFAULT_TYPES,
+                   help="comma list of K[/V][:flag], flag: naive, nowindow, window16, window64")
     p.add_argument("--ctx-size", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=Path("kv_table.jsonl"))
@@ -56,6 +58,7 @@ def main() -> int:
     import dataclasses
 
     import tqjax
+    from tqjax.api import kv_footprint
     from tqjax.eval import sweep
     from tqjax.fetch import corpus_text
     from tqjax.kv.cache import check_spec
@@ -75,9 +78,11 @@ def main() -> int:
             base = res["f32"].ppl
             for label, r in res.items():
                 spec = runs[label][1]
+                size = kv_footprint(model, spec, args.ctx_size)
                 row = {"model": name, "text": text, "type": label, "ppl": r.ppl,
                        "dppl_pct": 100 * (r.ppl / base - 1), "kl": r.kl, "top1": r.top1,
-                       "bits_per_value": bits_per_value(model, spec), "tokens": r.tokens,
+                       "bits_per_value": size["kv_bits_per_value"],
+                       "effective_bits": size["kv_effective_bits_per_value"], "tokens": r.tokens,
                        "ctx": args.ctx_size, "spec": dataclasses.asdict(spec),
                        "seconds": time.perf_counter() - t0}
                 rows.append(row)
@@ -88,10 +93,13 @@ def main() -> int:
 
 
 def print_markdown(rows: list[dict]) -> None:
-    print("| model | text | cache K/V | bits/value | PPL | ΔPPL | KL | top-1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    """Bits/value: per stored token; "at ctx" adds the per-layer constants (sinks, recent
+    window, centres) spread over the context (rows from before that field show "–")."""
+    print("| model | text | cache K/V | bits/value | at ctx | PPL | ΔPPL | KL | top-1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['text']} | {r['type']} | {r['bits_per_value']:.2f} | "
+        eff = f"{r['effective_bits']:.2f}" if "effective_bits" in r else "–"
+        print(f"| {r['model']} | {r['text']} | {r['type']} | {r['bits_per_value']:.2f} | {eff} | "
               f"{r['ppl']:.3f} | {r['dppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1']:.3f} |")
 
 

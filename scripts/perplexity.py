@@ -56,7 +56,7 @@ def main() -> int:
            "windows": res.windows, "ctx": args.ctx_size, "text": source,
            "model": model.source, "dtype": args.dtype,
            "cache_type_k": spec.k, "cache_type_v": spec.v, "backend": args.backend,
-           **kv_footprint(model, spec),
+           **kv_footprint(model, spec, args.ctx_size),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:
         out |= {"kl": res.kl, "top1": res.top1}

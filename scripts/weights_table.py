@@ -22,7 +22,9 @@ from tqjax.cli import ArgumentParser, run_main
 # run name -> (method, bpw, calibrated)
 RUNS = {
     "int8": ("int8", None, False),
+    "int8-gptq": ("int8", None, True),
     "int4": ("int4", None, False),
+    "int4-gptq": ("int4", None, True),
     "int4-affine": ("int4-affine", None, False),
     "tq4-free": ("tq4", None, False),
     "tq4": ("tq4", None, True),

@@ -59,7 +59,8 @@ SPECS = [
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.k}-{s.v}-sink{s.sink_tokens}")
 def test_attention_equals_attention_on_reconstruction(spec):
     """Prefill a chunk then decode a step on a ragged batch; compare with dense attention on
-    the store's own reconstructed K/V."""
+    the store's own reconstructed K/V (no recent window: every slot comes from the store)."""
+    spec = dataclasses.replace(spec, recent_tokens=0)
     rng = np.random.default_rng(0)
     cal = random_calibration(rng)
     inv_freq = 1.0 / 10000 ** (np.arange(0, HD, 2) / HD)
@@ -169,8 +170,90 @@ def test_generate_with_compressed_cache_on_tiny_model():
     assert np.abs(q8 - dense).max() < np.abs(turbo - dense).max()
 
 
+@pytest.mark.parametrize("name", sorted(STORE_FACTORIES))
+def test_cache_buffers_are_distinct(name):
+    """The decode step donates the cache: no two leaves may share a buffer."""
+    rng = np.random.default_rng(0)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, HD, 2) / HD)).astype(np.float32)
+    cache = make_cache(CacheSpec(name, name), batch=1, slots=8, num_layers=2, kv_heads=KV,
+                       head_dim=HD, calibration=random_calibration(rng, layers=2),
+                       inv_freq=inv_freq)
+    owners: dict[int, list[str]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        owners.setdefault(leaf.unsafe_buffer_pointer(), []).append(jax.tree_util.keystr(path))
+    assert [names for names in owners.values() if len(names) > 1] == []
+
+
 def test_layer_cache_is_a_pytree():
     cache = make_cache(CacheSpec("turbo3", "q8", center_keys=False, balance_keys=False),
                        batch=1, slots=4, num_layers=2, kv_heads=1, head_dim=64)
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     assert isinstance(jax.tree_util.tree_unflatten(treedef, leaves).layers[0], LayerCache)
+
+
+def window_attention(q, k_store, v_store, k_exact, v_exact, start, lo, window):
+    """Reference for the recent window: dense attention where key/value j is the exact
+    (fp16-rounded) one when max(qpos - window, lo - 1) < j <= qpos, else the store's
+    reconstruction. k/v_* [B, KV, S, hd]; lo [B]: first position the ring holds exactly."""
+    b, t, h, hd = q.shape
+    qpos = start[:, None] + jnp.arange(t)[None]  # [B, T]
+    bound = jnp.maximum(qpos - window, lo[:, None] - 1)
+    slot = jnp.arange(k_store.shape[2])
+    exact = (slot[None, None] > bound[..., None]) & (slot[None, None] <= qpos[..., None])
+    rnd = lambda x: x.astype(jnp.float16).astype(jnp.float32)  # noqa: E731
+    keys = jnp.where(exact[:, None, :, :, None], rnd(k_exact)[:, :, None], k_store[:, :, None])
+    vals = jnp.where(exact[:, None, :, :, None], rnd(v_exact)[:, :, None], v_store[:, :, None])
+    qg = q.reshape(b, t, KV, h // KV, hd)
+    s = jnp.einsum("btkgd,bktsd->bkgts", qg, keys) / np.sqrt(hd)
+    mask = slot[None, None, :] <= qpos[:, :, None]
+    p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgts,bktsd->btkgd", p, vals).reshape(b, t, h, hd)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_recent_window_reads_exact_copies(backend):
+    """turbo3 K/V with an 8-token window: a 13-token prefill, then decode steps on a ragged
+    batch (row 1 rewinds to position 9, as a shorter prompt does): the last 8 positions of each
+    query come from exact copies, older ones from the store, and a rewound row only trusts the
+    ring entries it has re-written (positions 5..8 here: 9..12 were its padded tail)."""
+    rng = np.random.default_rng(1)
+    spec = CacheSpec("turbo3", "turbo3", recent_tokens=8, sink_tokens=2)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, HD, 2) / HD)).astype(np.float32)
+    layer = make_cache(spec, batch=B, slots=S, num_layers=1, kv_heads=KV, head_dim=HD,
+                       calibration=random_calibration(rng), inv_freq=inv_freq).layers[0]
+    k_exact = jnp.zeros((B, KV, S, HD))
+    v_exact = jnp.zeros((B, KV, S, HD))
+    steps = [(13, [0, 0], [0, 0]), (1, [13, 9], [5, 5]), (1, [14, 10], [6, 5])]
+    for t, start, lo in steps:
+        start = jnp.asarray(start, jnp.int32)
+        q = jnp.asarray(rng.normal(size=(B, t, KV * G, HD)), jnp.float32)
+        k = jnp.asarray(rng.normal(size=(B, t, KV, HD)) * 2 + 1, jnp.float32)
+        v = jnp.asarray(rng.normal(size=(B, t, KV, HD)), jnp.float32)
+        out, layer = attend(layer, q, k, v, start, backend=backend)
+        for row in range(B):
+            s0 = int(start[row])
+            k_exact = k_exact.at[row, :, s0:s0 + t].set(k[row].transpose(1, 0, 2))
+            v_exact = v_exact.at[row, :, s0:s0 + t].set(v[row].transpose(1, 0, 2))
+        want = window_attention(q, materialize(layer.k), materialize(layer.v), k_exact, v_exact,
+                                start, jnp.asarray(lo), 8)
+        chex.assert_trees_all_close(out, want, atol=2e-4, rtol=2e-4)
+
+
+def test_recent_window_same_in_one_chunk_or_many():
+    """A windowed turbo cache gives the same attention whether 30 tokens arrive at once or in
+    chunks of 7 (the chunk's own exact rows are rounded like the ring's)."""
+    rng = np.random.default_rng(2)
+    spec = CacheSpec("turbo4", "turbo3", recent_tokens=8)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, HD, 2) / HD)).astype(np.float32)
+    empty = make_cache(spec, batch=B, slots=S, num_layers=1, kv_heads=KV, head_dim=HD,
+                       calibration=random_calibration(rng), inv_freq=inv_freq).layers[0]
+    q = jnp.asarray(rng.normal(size=(B, 30, KV * G, HD)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, 30, KV, HD)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, 30, KV, HD)), jnp.float32)
+    whole, _ = attend(empty, q, k, v, jnp.zeros(B, jnp.int32))
+    layer, parts = empty, []
+    for c in range(0, 30, 7):
+        out, layer = attend(layer, q[:, c:c + 7], k[:, c:c + 7], v[:, c:c + 7],
+                            jnp.full(B, c, jnp.int32))
+        parts.append(out)
+    chex.assert_trees_all_close(jnp.concatenate(parts, axis=1), whole, atol=1e-5, rtol=1e-5)

@@ -170,7 +170,12 @@ def test_dequant_matmul_lowers_to_triton(bits, rows):
 def test_decode_attention_lowers_to_triton(k_type, v_type, center):
     layer = filled_layer(k_type, v_type, 1, 2, 256, 64, center)
     q = jnp.zeros((1, 14, 64), jnp.bfloat16)
-    fn = lambda q, k, v, p: ta._decode_attention(q, k, v, p, 64, 2, False)  # noqa: E731
+    window = (jnp.zeros((1, 2, 32, 64), jnp.float16), jnp.zeros((1, 2, 32, 64), jnp.float16),
+              jnp.zeros((1, 32), jnp.int32))  # an exact recent window, merged outside
+
+    def fn(q, k, v, p):
+        return ta._decode_attention(q, k, v, p, p - 32, window, 64, 2, False)
+
     text = lower_for_cuda(fn, q, layer.k, layer.v, jnp.zeros(1, jnp.int32))
     assert "__gpu$xla.gpu.triton" in text
 

@@ -21,7 +21,7 @@ from tqjax.decode.generate import (
 )
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token
+from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import load_checkpoint
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -117,14 +117,22 @@ def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec = CacheSpec(
     return np.asarray(out[0, :n])
 
 
-def kv_footprint(model: Model, cache: CacheSpec) -> dict[str, float]:
-    """Bytes per token (all layers, K+V), bits per value and compression vs a bf16 cache."""
+def kv_footprint(model: Model, cache: CacheSpec, context: int | None = None
+                 ) -> dict[str, float]:
+    """KV-cache storage for one sequence: bytes per token (all layers, K+V), bits per value and
+    compression vs a bf16 cache, plus the bytes that do not grow with the context (sink slots,
+    recent-token rings, centres, rotations); with `context`, the effective bits per value of a
+    cache that long, constants included."""
     cfg = model.config
     kv = new_cache(model.params, cfg, cache, 1, 64, model.calibration(cache))
-    per_token = bytes_per_token(kv)
+    per_token, constant = bytes_per_token(kv), constant_bytes(kv)
     values = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-    return {"kv_bytes_per_token": per_token, "kv_bits_per_value": 8 * per_token / values,
-            "kv_compression_vs_bf16": 2 * values / per_token}
+    out = {"kv_bytes_per_token": per_token, "kv_bits_per_value": 8 * per_token / values,
+           "kv_compression_vs_bf16": 2 * values / per_token, "kv_constant_bytes": constant}
+    if context is not None:
+        out["kv_context"] = context
+        out["kv_effective_bits_per_value"] = 8 * (per_token + constant / context) / values
+    return out
 
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,

@@ -44,7 +44,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"({DEFAULT_KV_PRESET})")
     p.add_argument("--kv-naive", action="store_true",
                    help="turn off TurboQuant's outlier handling (centring, key balancing, "
-                        "sink slots), for study")
+                        "sink slots, exact recent window), for study")
+    p.add_argument("--kv-recent", type=int, default=None, metavar="N",
+                   help="turbo caches: each query sees its N most recent tokens exactly "
+                        "(a per-layer ring of N fp16 keys and values; default 32, 0 = off)")
     p.add_argument("--kv-boundary-layers", type=int, default=0,
                    help="keep the first and last N layers' cache in q8")
     p.add_argument("--backend", default="xla", choices=["xla", "pallas"],
@@ -62,9 +65,13 @@ def cache_spec(args: argparse.Namespace) -> object:
         k, v = k or kv_k, v or kv_v or kv_k
     k = k or v or "f32"
     v = v or k
-    naive = dict(center_keys=False, center_values=False, balance_keys=False, sink_tokens=0)
-    spec = CacheSpec(k, v, boundary_layers=args.kv_boundary_layers,
-                     **(naive if args.kv_naive else {}))
+    options = {"boundary_layers": args.kv_boundary_layers}
+    if args.kv_naive:
+        options |= dict(center_keys=False, center_values=False, balance_keys=False,
+                        sink_tokens=0, recent_tokens=0)
+    if args.kv_recent is not None:
+        options["recent_tokens"] = args.kv_recent
+    spec = CacheSpec(k, v, **options)
     check_spec(spec)
     return spec
 

@@ -6,7 +6,8 @@ fractional `turbo2.5`/`turbo3.5` (half the rotated channels one bit higher) and
 `turbo2-prod`..`turbo4-prod` (TurboQuant_prod: one of the bits is a QJL residual sign). Every
 compressed format stores one fp16 scale per vector (prod: two). Turbo stores are robust by
 default: keys centred and channel-balanced, values centred (per-layer statistics from a
-calibration pass) and the first 4 positions kept dense; see `tqjax.kv.quantized`.
+calibration pass), the first 4 positions kept dense (`tqjax.kv.quantized`), and every query
+sees its 32 most recent keys and values exactly (`RecentWindow`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class CacheSpec:
         calibration, to even out key/query channel energies before rotation.
     sink_tokens: the first N positions of turbo stores are kept dense (attention sinks); a
         fixed cost of N·KV·hd fp16 values per layer, independent of the context length.
+    recent_tokens: layers with a turbo store also keep dense fp16 copies of the last N
+        positions (a ring buffer), and each query attends to its N most recent tokens
+        exactly; a fixed cost of 2·N·KV·hd fp16 values per layer.
     boundary_layers: the first and last N layers keep `boundary_type` instead.
     """
 
@@ -50,6 +54,7 @@ class CacheSpec:
     boundary_layers: int = 0
     boundary_type: str = "q8"
     sink_tokens: int = 4
+    recent_tokens: int = 32
     seed: int = 0
 
     @property
@@ -102,8 +107,14 @@ def _int4_factory(s: StoreShape) -> Int4Store:
     if s.head_dim % 32:
         raise TqjaxError(f"q4 cache needs a head dim divisible by 32, got {s.head_dim}")
     lead, groups = (s.batch, s.kv_heads, s.slots), s.head_dim // 32
-    zeros = jnp.zeros((*lead, groups), SCALE_DTYPE)
-    return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8), zeros, zeros)
+    zeros = lambda: jnp.zeros((*lead, groups), SCALE_DTYPE)  # noqa: E731  (distinct buffers)
+    return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8), zeros(), zeros())
+
+
+def _own_copy(x: np.ndarray | None) -> jax.Array | None:
+    """f32 device copy of a host constant. Always a copy: jnp.asarray may alias numpy memory,
+    and the decode step donates every cache buffer, so none may be shared (across layers)."""
+    return None if x is None else jnp.array(x, jnp.float32, copy=True)
 
 
 def _turbo_factory(bits: int, half: bool, prod: bool = False) -> StoreFactory:
@@ -121,9 +132,8 @@ def _turbo_factory(bits: int, half: bool, prod: bool = False) -> StoreFactory:
         nbytes = pack_codes(q, jnp.zeros((1, s.head_dim), jnp.uint8)).shape[-1]
         return TurboStore(
             jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE), q,
-            center=None if s.center is None else jnp.asarray(s.center, jnp.float32),
-            inv_freq=None if s.inv_freq is None else jnp.asarray(s.inv_freq, jnp.float32),
-            chan_scale=None if s.chan_scale is None else jnp.asarray(s.chan_scale, jnp.float32),
+            center=_own_copy(s.center), inv_freq=_own_copy(s.inv_freq),
+            chan_scale=_own_copy(s.chan_scale),
             sink=jnp.zeros((*lead[:2], s.sink_tokens, s.head_dim), SCALE_DTYPE)
             if s.sink_tokens else None, **extra)
 
@@ -140,9 +150,20 @@ STORE_FACTORIES: dict[str, StoreFactory] = {
 
 
 @struct.dataclass
+class RecentWindow:
+    """Dense copies of each sequence's most recent keys and values; position p lives in ring
+    slot p % N, so a chunk overwrites the oldest entries."""
+
+    k: jax.Array  # [B, KV, N, hd] f16
+    v: jax.Array  # [B, KV, N, hd] f16
+    pos: jax.Array  # [B, N] int32 position held by each ring slot, -1 = empty
+
+
+@struct.dataclass
 class LayerCache:
     k: object  # a key store from tqjax.kv.store
     v: object  # a value store
+    recent: RecentWindow | None = None
 
 
 @struct.dataclass
@@ -162,6 +183,9 @@ def check_spec(spec: CacheSpec) -> None:
                              f"(choose from: {', '.join(STORE_FACTORIES)})")
     if spec.boundary_layers < 0:
         raise TqjaxError(f"boundary layers must be >= 0, got {spec.boundary_layers}")
+    if spec.sink_tokens < 0 or spec.recent_tokens < 0:
+        raise TqjaxError(f"sink and recent tokens must be >= 0, got {spec.sink_tokens} and "
+                         f"{spec.recent_tokens}")
 
 
 def layer_types(spec: CacheSpec, num_layers: int) -> list[tuple[str, str]]:
@@ -194,7 +218,14 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
                 chan_scale=calibration.key_scale[i] if spec.balance_keys else None)
         if spec.center_values and vt.startswith("turbo"):
             vshape = dataclasses.replace(base, center=calibration.value_mean[i])
-        layers.append(LayerCache(STORE_FACTORIES[kt](kshape), STORE_FACTORIES[vt](vshape)))
+        recent = None
+        n = min(spec.recent_tokens, slots)
+        if n and (kt.startswith("turbo") or vt.startswith("turbo")):
+            ring = (batch, kv_heads, n, head_dim)  # two buffers: the decode step donates each
+            recent = RecentWindow(jnp.zeros(ring, SCALE_DTYPE), jnp.zeros(ring, SCALE_DTYPE),
+                                  jnp.full((batch, n), -1, jnp.int32))
+        layers.append(LayerCache(STORE_FACTORIES[kt](kshape), STORE_FACTORIES[vt](vshape),
+                                 recent))
     return KVCache(layers)
 
 
@@ -212,9 +243,49 @@ def bytes_per_token(cache: KVCache) -> float:
 
 
 def constant_bytes(cache: KVCache) -> int:
-    """Bytes that do not grow with the context: sink slots, centres, rotations, codebooks."""
+    """Bytes that do not grow with the context: sink slots, recent-token rings, centres,
+    rotations, codebooks."""
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) - int(
         bytes_per_token(cache) * cache.slots)
+
+
+def _window_candidates(recent: RecentWindow, k: jax.Array, v: jax.Array, start: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The exact keys/values a chunk k/v [B, KV, T, hd] at slots start.. can see besides the
+    cache: the ring's run of consecutive positions ending at start − 1, then the chunk.
+
+    Returns keys and values f32 [B, KV, N+T, hd], their positions int32 [B, N+T] (-1: none)
+    and lo int32 [B], the first position of that exact run (ring entries at or beyond start are
+    stale: a shorter sequence of a ragged batch re-writing its padded tail).
+    """
+    n, t = recent.pos.shape[1], k.shape[2]
+    back = start[:, None] - 1 - jnp.arange(n)[None, :]  # [B, N]: start-1, start-2, ...
+    held = jnp.take_along_axis(recent.pos, jnp.mod(back, n), axis=1) == back
+    run = jnp.sum(jnp.cumprod(held & (back >= 0), axis=1), axis=1)  # [B]
+    lo = start - run
+    ring_pos = jnp.where((recent.pos >= lo[:, None]) & (recent.pos < start[:, None]),
+                         recent.pos, -1)
+    pos = jnp.concatenate([ring_pos, start[:, None] + jnp.arange(t)[None, :]], axis=1)
+    # the chunk rounded like the ring, so a prompt gives the same result in one chunk or many
+    keys = jnp.concatenate([recent.k, k.astype(recent.k.dtype)], axis=2).astype(jnp.float32)
+    values = jnp.concatenate([recent.v, v.astype(recent.v.dtype)], axis=2).astype(jnp.float32)
+    return keys, values, pos, lo
+
+
+def _write_window(recent: RecentWindow, k: jax.Array, v: jax.Array,
+                  start: jax.Array) -> RecentWindow:
+    """Ring after writing the chunk k/v [B, KV, T, hd] at positions start..start+T-1."""
+    n, t = recent.pos.shape[1], k.shape[2]
+    # ring slot r takes the chunk's last token whose position is r modulo n
+    src = t - 1 - jnp.mod(start[:, None] + t - 1 - jnp.arange(n)[None, :], n)  # [B, N]
+    take, idx = src >= 0, jnp.clip(src, 0)[:, None, :, None]
+
+    def put(ring: jax.Array, x: jax.Array) -> jax.Array:
+        new = jnp.take_along_axis(x, idx, axis=2).astype(ring.dtype)
+        return jnp.where(take[:, None, :, None], new, ring)
+
+    return RecentWindow(put(recent.k, k), put(recent.v, v),
+                        jnp.where(take, start[:, None] + src, recent.pos))
 
 
 def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -230,18 +301,33 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
     b, t, h, hd = q.shape
     kvh = k.shape[2]
     g = h // kvh
-    layer = LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), start),
-                       kvs.write(layer.v, v.transpose(0, 2, 1, 3), start))
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, hd]
+    qpos = start[:, None] + jnp.tile(jnp.arange(t), g)[None, :]  # [B, G*T]
+    bound, window, recent = qpos, None, layer.recent
+    if recent is not None:  # the last N positions come from the exact copies, not the stores
+        wk, wv, wpos, lo = _window_candidates(recent, k, v, start)
+        bound = jnp.maximum(qpos - recent.pos.shape[1], lo[:, None] - 1)
+        window = (wk, wv, wpos)
+        recent = _write_window(recent, k, v, start)
+    layer = LayerCache(kvs.write(layer.k, k, start), kvs.write(layer.v, v, start), recent)
     if (t == 1 and resolve_backend(backend) == "pallas"
             and turbo_attention.supported(q.shape, layer.k, layer.v)):
-        out = turbo_attention.turbo_decode_attention(q[:, 0], layer.k, layer.v, start)
+        out = turbo_attention.turbo_decode_attention(q[:, 0], layer.k, layer.v, start,
+                                                     bound=bound[:, 0], window=window)
         return out[:, None].astype(q.dtype), layer
     qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
     s = kvs.scores(layer.k, qg) * (1.0 / hd**0.5)  # [B, KV, G*T, S]
-    qpos = start[:, None] + jnp.tile(jnp.arange(t), g)[None, :]  # [B, G*T]
-    visible = jnp.arange(s.shape[-1])[None, None, :] <= qpos[:, :, None]  # [B, G*T, S]
-    s = jnp.where(visible[:, None], s, -jnp.inf)
+    visible = jnp.arange(s.shape[-1])[None, None, :] <= bound[:, :, None]  # [B, G*T, S]
+    s, slots = jnp.where(visible[:, None], s, -jnp.inf), s.shape[-1]
+    if window is not None:
+        wk, wv, wpos = window
+        sw = jnp.einsum("bknd,bkwd->bknw", qg.astype(jnp.float32), wk) * (1.0 / hd**0.5)
+        near = ((wpos[:, None, :] > bound[:, :, None]) & (wpos[:, None, :] <= qpos[:, :, None])
+                & (wpos[:, None, :] >= 0))  # [B, G*T, N+T]
+        s = jnp.concatenate([s, jnp.where(near[:, None], sw, -jnp.inf)], axis=-1)
     p = jax.nn.softmax(s, axis=-1)
-    out = kvs.mix(layer.v, p)  # [B, KV, G*T, hd]
+    out = kvs.mix(layer.v, p[..., :slots])  # [B, KV, G*T, hd]
+    if window is not None:
+        out = out + jnp.einsum("bknw,bkwd->bknd", p[..., slots:], window[1])
     out = out.reshape(b, kvh, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
     return out.astype(q.dtype), layer

@@ -22,8 +22,10 @@ Split quantizers (fractional rates) are packed segment by segment; each channel 
 segment's bit offset, width and centroid table, so one gather handles both segments.
 
 Stores with dense sink slots (`sink` [B, KV, n, hd]: the first n slots kept exact) are handled
-in plain JAX as one more softmax partial (the kernel skips those slots), and a value centre μ_v
-(`center` on a value store) is added back as (Σ p over the packed slots)·μ_v in the combine.
+in plain JAX as one more softmax partial (the kernel skips those slots), and so is an exact
+recent window (the cache's last N keys/values: the kernel then stops at `bound`, before them);
+a value centre μ_v (`center` on a value store) is added back as (Σ p over the packed slots)·μ_v
+in the combine.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from tqjax.quant.rotation import rotate, unrotate
 from tqjax.quant.turboquant import TurboQuantizer
 
 NEG = -1e30  # masked score; finite so that exp(NEG − m) is 0 without inf − inf
+Window = tuple[jax.Array, jax.Array, jax.Array]  # exact recent keys, values, positions
 TARGET_PROGRAMS = 256
 MIN_SPLIT_SLOTS = 512  # a split below this many slots costs more in the combine than it saves
 
@@ -220,8 +223,9 @@ def choose_splits(batch: int, kv_heads: int, slots: int, block: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block", "splits", "interpret"))
 def _decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
-                      v_store: TurboLike | DenseLike, positions: jax.Array, block: int,
-                      splits: int, interpret: bool) -> jax.Array:
+                      v_store: TurboLike | DenseLike, positions: jax.Array, bound: jax.Array,
+                      window: Window | None, block: int, splits: int,
+                      interpret: bool) -> jax.Array:
     b, h, hd = q.shape
     k_layout, k_args = _operand(k_store)
     v_layout, v_args = _operand(v_store)
@@ -270,15 +274,25 @@ def _decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="turbo_decode_attention",
-    )(positions.astype(jnp.int32), qk, centre, k_args, v_args)
+    )(bound.astype(jnp.int32), qk, centre, k_args, v_args)
     o, m, lsum = o[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g]
     top = jnp.max(m, axis=0)  # [B, KV, G]
-    if skip:  # the exact sink slots: one more softmax partial, in the original basis
-        s = jnp.einsum("bkgd,bksd->bkgs", qf * hd**-0.5, _prefix(k_store, skip))
-        visible = jnp.arange(skip)[None, :] <= positions[:, None]  # [B, n]
+    # exact rows outside the kernel, one more softmax partial each, in the original basis:
+    # the sink slots (visible up to `bound`) and the recent window
+    exact = []
+    if skip:
+        visible = jnp.arange(skip)[None, :] <= bound[:, None]  # [B, n]
+        exact.append((_prefix(k_store, skip), _prefix(v_store, skip), visible))
+    if window is not None:
+        wk, wv, wpos = window
+        near = (wpos > bound[:, None]) & (wpos <= positions[:, None]) & (wpos >= 0)
+        exact.append((wk.astype(jnp.float32), wv.astype(jnp.float32), near))
+    partials = []
+    for keys, values, visible in exact:
+        s = jnp.einsum("bkgd,bksd->bkgs", qf * hd**-0.5, keys)
         s = jnp.where(visible[:, None, None, :], s, NEG)
         top = jnp.maximum(top, jnp.max(s, axis=-1))
-        p_sink = jnp.exp(s - top[..., None])
+        partials.append((s, values))
     weight = jnp.exp(m - top[None])  # [splits, B, KV, G]
     num = jnp.sum(o * weight[..., None], axis=0)
     den = jnp.sum(lsum * weight, axis=0)
@@ -286,23 +300,27 @@ def _decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
         num = unrotate(num, v_store.quantizer.rotation)
         if v_store.center is not None:  # centred values: Σ p (v̂ + μ_v) over the packed slots
             num = num + den[..., None] * v_store.center[None, :, None, :]
-    if skip:
-        num = num + jnp.einsum("bkgs,bksd->bkgd", p_sink, _prefix(v_store, skip))
-        den = den + jnp.sum(p_sink, axis=-1)
+    for s, values in partials:
+        p = jnp.where(s > NEG, jnp.exp(s - top[..., None]), 0.0)
+        num = num + jnp.einsum("bkgs,bksd->bkgd", p, values)
+        den = den + jnp.sum(p, axis=-1)
     return (num / den[..., None]).reshape(b, h, hd)
 
 
 def turbo_decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
                            v_store: TurboLike | DenseLike, positions: jax.Array, *,
+                           bound: jax.Array | None = None, window: Window | None = None,
                            block: int = 64, splits: int | None = None,
                            interpret: bool | None = None) -> jax.Array:
     """Attention of one new token per sequence over the cache, softmax(q·k/√hd) v.
 
     q [B, H, hd] (post-RoPE; H = KV·G, head h reads KV head h // G); k_store/v_store: TurboStore
     or DenseStore with [B, KV, S, ...] arrays, already holding this token; positions int32 [B]:
-    slot s is visible to sequence b iff s <= positions[b]. block: slots per kernel step (a power
-    of two >= 16); splits: programs per (sequence, KV head) along the cache (None: automatic);
-    interpret: None = automatic (CPU → interpret mode). Returns f32 [B, H, hd].
+    the token's position. Store slot s is visible iff s <= bound[b] (None: positions); window:
+    exact recent rows (keys, values f32 [B, KV, W, hd], their positions int32 [B, W], -1 =
+    none), those at positions in (bound, positions] visible. block: slots per kernel step (a
+    power of two >= 16); splits: programs per (sequence, KV head) along the cache (None:
+    automatic); interpret: None = automatic (CPU → interpret mode). Returns f32 [B, H, hd].
     """
     if not supported(q.shape, k_store, v_store):
         raise TqjaxError(f"turbo_decode_attention needs TurboQuant or dense K/V stores and a "
@@ -313,4 +331,6 @@ def turbo_decode_attention(q: jax.Array, k_store: TurboLike | DenseLike,
     if splits is None:
         splits = choose_splits(b, kv, slots, block)
     interpret = default_interpret() if interpret is None else interpret
-    return _decode_attention(q, k_store, v_store, positions, block, splits, interpret)
+    bound = positions if bound is None else bound
+    return _decode_attention(q, k_store, v_store, positions, bound, window, block, splits,
+                             interpret)
