@@ -72,11 +72,12 @@ def main() -> int:
     import dataclasses
 
     import tqjax
-    from tqjax.decode.generate import new_cache
+    from tqjax.api import kv_footprint
+    from tqjax.atomic import write_text
     from tqjax.eval import sweep
     from tqjax.fetch import corpus_text
-    from tqjax.kv.cache import bytes_per_token, check_spec
-    from tqjax.models.checkpoint import save_quantized, write_text_atomically
+    from tqjax.kv.cache import check_spec
+    from tqjax.models.checkpoint import save_quantized
     from tqjax.models.quantize import (
         WeightSpec,
         calibration_corpus,
@@ -99,8 +100,8 @@ def main() -> int:
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "models": {}, "rows": []}
 
     def save() -> None:
-        write_text_atomically(args.out, json.dumps(report, indent=1))
-        write_text_atomically(args.out.with_suffix(".md"), markdown(report["rows"]))
+        write_text(args.out, json.dumps(report, indent=1))
+        write_text(args.out.with_suffix(".md"), markdown(report["rows"]))
 
     for name in args.models.split(","):
         t0 = time.perf_counter()
@@ -136,10 +137,9 @@ def main() -> int:
             print(json.dumps({"model": name, "run": run, "bpw": entry["memory"]["quantized_bpw"],
                               "seconds": round(entry["quantize_seconds"], 1)}), flush=True)
         if kv_spec is not None:
-            variants[f"f32+kv {args.kv}"] = (dataclasses.replace(model), kv_spec)
+            variants[f"f32+kv {args.kv}"] = (model, kv_spec)
             if "tq4" in variants:
-                variants[f"tq4+kv {args.kv}"] = (dataclasses.replace(variants["tq4"][0]),
-                                                  kv_spec)
+                variants[f"tq4+kv {args.kv}"] = (variants["tq4"][0], kv_spec)
         save()
         for text in args.texts.split(","):
             ids = model.tokenizer.encode(corpus_text(text))[:args.max_tokens]
@@ -147,18 +147,16 @@ def main() -> int:
             base = results["f32"].ppl
             for run, res in results.items():
                 m, spec = variants[run]
-                cache = new_cache(m.params, m.config, spec, 1, 64, m.calibration(spec))
-                bits = params_bits(m.params)
-                weights = run.split("+")[0]
+                bits, kv = params_bits(m.params), kv_footprint(m, spec)
+                kv_8k = KV_CONTEXT * kv["kv_bytes_per_token"] + kv["kv_constant_bytes"]
                 report["rows"].append({
                     "model": name, "text": text, "run": run, "kv": spec.k + "/" + spec.v,
-                    "bpw": bits["quantized_bpw"] if weights != "f32" else 32.0,
+                    "bpw": bits["quantized_bpw"] if run.split("+")[0] != "f32" else 32.0,
                     "bpw_overall": bits["bpw"], "params_bytes": bits["bytes"],
-                    "kv_bytes_per_token": bytes_per_token(cache),
-                    "total_bytes_8k": bits["bytes"] + KV_CONTEXT * bytes_per_token(cache),
+                    "kv_bytes_per_token": kv["kv_bytes_per_token"],
+                    "total_bytes_8k": bits["bytes"] + kv_8k,
                     "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / base - 1), "kl": res.kl,
-                    "top1": res.top1 if run != "f32" else 1.0, "tokens": res.tokens,
-                    "windows": res.windows})
+                    "top1": res.top1, "tokens": res.tokens, "windows": res.windows})
                 print(json.dumps(report["rows"][-1]), flush=True)
             save()
     print(markdown(report["rows"]))

@@ -68,14 +68,27 @@ def write_safetensors(dest: str | Path, tensors: dict[str, Any],
         save_file(arrays, str(tmp), metadata=metadata)
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
-    """Build a folder in a temp dir next to `dest` (build(tmp)), then swap it into place."""
+    """Build a folder in a temp dir next to `dest` (build(tmp)), fsync its files, then swap it
+    into place (a previous `dest` is replaced)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     old = dest.parent / f".{dest.name}.old"
     try:
         build(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync_file(f)
+        fsync_dir(tmp)
         os.chmod(tmp, 0o755)
         if old.exists():
             shutil.rmtree(old)

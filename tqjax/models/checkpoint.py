@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tqjax.atomic import replace_dir
 from tqjax.errors import TqjaxError
+from tqjax.fetch import sha256_file
 from tqjax.models.config import ModelConfig, RopeScaling
 from tqjax.models.quantize import params_bits
 from tqjax.models.tokenizer import Tokenizer
@@ -50,7 +50,6 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", TOKENIZER_CONFIG,
                       "special_tokens_map.json", "chat_template.jinja")
 DENSE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_CHUNK = 1 << 20
 
 
 def is_quantized_checkpoint(path: Path) -> bool:
@@ -59,13 +58,8 @@ def is_quantized_checkpoint(path: Path) -> bool:
 
 
 def file_digest(path: Path) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, read in chunks."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+    """(size in bytes, sha256 hex) of a file."""
+    return path.stat().st_size, sha256_file(path)
 
 
 def source_info(path: Path) -> dict[str, Any]:
@@ -252,60 +246,15 @@ def _save_tokenizer(out: Path, tokenizer: Tokenizer | None, source: Path | None)
 # ---------------------------------------------------------------- atomic directory writes
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write a text file via a temporary sibling, fsync, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_dir_atomically(target: Path, fill: Callable[[Path], None]) -> None:
-    """Create directory `target` by fill(tmp) on a temporary sibling, fsync, then rename.
-
-    An existing quantized checkpoint (or empty directory) at `target` is replaced; any other
-    existing path raises TqjaxError and is left untouched.
-    """
+    """Create directory `target` by fill(tmp) on a temporary sibling, then swap it into place
+    (`tqjax.atomic.replace_dir`). An existing quantized checkpoint (or empty directory) at
+    `target` is replaced; any other existing path raises TqjaxError and is left untouched."""
     target = target.expanduser().absolute()
     if target.exists() and not (is_quantized_checkpoint(target) or
                                 (target.is_dir() and not any(target.iterdir()))):
         raise TqjaxError(f"{target} exists and is not a quantized checkpoint; not overwriting it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    tmp.mkdir()  # not mkdtemp: the umask decides the mode, as for any new directory
-    try:
-        fill(tmp)
-        file_mode = tmp.stat().st_mode & 0o666
-        for f in tmp.iterdir():
-            f.chmod(file_mode)
-            _fsync(f)
-        _fsync(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.{secrets.token_hex(6)}.old")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        _fsync(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    replace_dir(target, fill)
 
 
 # ---------------------------------------------------------------- save / load
