@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqjax.cli import ArgumentParser, run_main
 from tqjax.errors import TqjaxError
+from tqjax.kv.cache import NAIVE
 
 DEFAULT_TYPES = ("bf16,q8,q4,turbo4,turbo3.5,turbo3,turbo2.5,turbo2,turbo4/turbo3,"
                  "turbo3.5/turbo3,turbo4-prod,turbo4:nowindow,turbo4:naive,turbo3:naive")
@@ -31,8 +32,7 @@ def parse_type(item: str) -> tuple[str, dict]:
 
 FLAGS = {
     "": {},
-    "naive": {"center_keys": False, "center_values": False, "balance_keys": False,
-              "sink_tokens": 0, "recent_tokens": 0},
+    "naive": NAIVE,
     "nowindow": {"recent_tokens": 0},
     "window16": {"recent_tokens": 16},
     "window64": {"recent_tokens": 64},

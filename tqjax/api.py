@@ -24,6 +24,12 @@ from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import load_checkpoint
+from tqjax.models.quantize import (
+    WeightSpec,
+    calibration_corpus,
+    calibration_windows,
+    quantize_params,
+)
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from tqjax.models.transformer import Params
 
@@ -82,13 +88,6 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     else:
         tokenizer = None
     if weights is not None:
-        from tqjax.models.quantize import (
-            WeightSpec,
-            calibration_corpus,
-            calibration_windows,
-            quantize_params,
-        )
-
         spec = WeightSpec(weights, bpw=bpw)
         windows = None
         if tokenizer is not None:

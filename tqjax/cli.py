@@ -24,14 +24,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
+    from tqjax.models.quantize import METHODS, MIXED
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"model name ({', '.join(MODEL_NAMES)}), HF directory or .gguf file "
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter and compute dtype (default float32: fastest on CPU)")
-    p.add_argument("--weights", default=None,
-                   choices=["tq4", "tq3", "tq2", "mixed", "int8", "int4", "int4-affine"],
+    p.add_argument("--weights", default=None, choices=[*METHODS, MIXED],
                    help="quantize the weights on the fly (see scripts/quantize.py to save them)")
     p.add_argument("--bpw", type=float, default=None, help="target bits per weight for mixed")
     p.add_argument("--cache-type-k", default=None,
@@ -57,7 +57,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def cache_spec(args: argparse.Namespace) -> object:
     """The CacheSpec that --kv / --cache-type-k/v / --kv-* ask for (validated)."""
-    from tqjax.kv.cache import CacheSpec, check_spec
+    from tqjax.kv.cache import NAIVE, CacheSpec, check_spec
 
     k, v = args.cache_type_k, args.cache_type_v
     if args.kv is not None:
@@ -67,8 +67,7 @@ def cache_spec(args: argparse.Namespace) -> object:
     v = v or k
     options = {"boundary_layers": args.kv_boundary_layers}
     if args.kv_naive:
-        options |= dict(center_keys=False, center_values=False, balance_keys=False,
-                        sink_tokens=0, recent_tokens=0)
+        options |= NAIVE
     if args.kv_recent is not None:
         options["recent_tokens"] = args.kv_recent
     spec = CacheSpec(k, v, **options)

@@ -63,6 +63,11 @@ class CacheSpec:
                 or (self.center_values and self.v.startswith("turbo")))
 
 
+# CacheSpec options that switch every robustness step off (`--kv-naive`, for study)
+NAIVE = {"center_keys": False, "center_values": False, "balance_keys": False, "sink_tokens": 0,
+         "recent_tokens": 0}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Calibration:
     """Per-layer means from a calibration pass, f32 [L, KV, hd]; keys before RoPE."""
@@ -107,8 +112,9 @@ def _int4_factory(s: StoreShape) -> Int4Store:
     if s.head_dim % 32:
         raise TqjaxError(f"q4 cache needs a head dim divisible by 32, got {s.head_dim}")
     lead, groups = (s.batch, s.kv_heads, s.slots), s.head_dim // 32
-    zeros = lambda: jnp.zeros((*lead, groups), SCALE_DTYPE)  # noqa: E731  (distinct buffers)
-    return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8), zeros(), zeros())
+    scales = (*lead, groups)  # step and lo: two buffers, the decode step donates each
+    return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8),
+                     jnp.zeros(scales, SCALE_DTYPE), jnp.zeros(scales, SCALE_DTYPE))
 
 
 def _own_copy(x: np.ndarray | None) -> jax.Array | None:

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from tqjax.data import calibration_text
 from tqjax.errors import TqjaxError
+from tqjax.fetch import corpus_text
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -211,8 +212,6 @@ CALIBRATION_CHARS = 40_000  # per part (prose, code)
 def calibration_corpus(chars: int = CALIBRATION_CHARS) -> str:
     """Default calibration text: the built-in calibration text and Milton's Paradise Lost
     (prose/verse), then `CALIBRATION_MODULES` (code), each part cut to `chars` characters."""
-    from tqjax.fetch import corpus_text
-
     prose = calibration_text() + "\n" + corpus_text("milton:paradiselost")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     code = "\n".join((stdlib / m).read_text(encoding="utf-8") for m in CALIBRATION_MODULES)
@@ -223,8 +222,6 @@ def calibration_source(spec: str) -> str | None:
     """Calibration text for a user-facing choice: "default" (`calibration_corpus`), "builtin"
     (tqjax/data/calibration.txt), "none" (data-free: None), or corpus specs of
     `tqjax.fetch.corpus_text` joined by "+" (e.g. "shakespeare:hamlet+milton:comus")."""
-    from tqjax.fetch import corpus_text
-
     if spec == "none":
         return None
     if spec == "default":
