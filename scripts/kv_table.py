@@ -80,7 +80,8 @@ def main() -> int:
                 spec = runs[label][1]
                 size = kv_footprint(model, spec, args.ctx_size)
                 row = {"model": name, "text": text, "type": label, "ppl": r.ppl,
-                       "dppl_pct": 100 * (r.ppl / base - 1), "kl": r.kl, "top1": r.top1,
+                       "dppl_pct": 100 * (r.ppl / base - 1), "dppl_se_pct": r.dppl_se_pct,
+                       "kl": r.kl, "top1": r.top1,
                        "bits_per_value": size["kv_bits_per_value"],
                        "effective_bits": size["kv_effective_bits_per_value"], "tokens": r.tokens,
                        "ctx": args.ctx_size, "spec": dataclasses.asdict(spec),
@@ -95,12 +96,14 @@ def main() -> int:
 def print_markdown(rows: list[dict]) -> None:
     """Bits/value: per stored token; "at ctx" adds the per-layer constants (sinks, recent
     window, centres) spread over the context (rows from before that field show "–")."""
-    print("| model | text | cache K/V | bits/value | at ctx | PPL | ΔPPL | KL | top-1 |")
+    from tqjax.eval import dppl_text
+
+    print("| model | text | cache K/V | bits/value | at ctx | PPL | ΔPPL ± s.e. | KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eff = f"{r['effective_bits']:.2f}" if "effective_bits" in r else "–"
         print(f"| {r['model']} | {r['text']} | {r['type']} | {r['bits_per_value']:.2f} | {eff} | "
-              f"{r['ppl']:.3f} | {r['dppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1']:.3f} |")
+              f"{r['ppl']:.3f} | {dppl_text(r)} | {r['kl']:.4f} | {r['top1']:.3f} |")
 
 
 if __name__ == "__main__":

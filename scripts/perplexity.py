@@ -28,6 +28,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args()
 
+    import numpy as np
+
     import tqjax
     from tqjax.api import kv_footprint
     from tqjax.errors import TqjaxError
@@ -59,14 +61,17 @@ def main() -> int:
            **kv_footprint(model, spec, args.ctx_size),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:
-        out |= {"kl": res.kl, "top1": res.top1}
+        out |= {"kl": res.kl, "top1": res.top1, "dppl_se_pct": res.dppl_se_pct,
+                "dppl_pct": 100 * float(np.expm1(res.nll_delta))}
     if args.json:
         print_json(out)
     else:
         print(f"perplexity {res.ppl:.4f} over {res.tokens} predicted tokens "
               f"({res.windows} windows of {args.ctx_size}) on {source}")
         if res.kl is not None:
-            print(f"KL vs f32 cache {res.kl:.5f} nats/token, top-1 agreement {res.top1:.4f}")
+            print(f"vs an f32 cache: ΔPPL {100 * np.expm1(res.nll_delta):+.2f}% ± "
+                  f"{res.dppl_se_pct:.2f}, KL {res.kl:.5f} nats/token, "
+                  f"top-1 agreement {res.top1:.4f}")
     return 0
 
 

@@ -37,17 +37,20 @@ KV_CONTEXT = 8192
 
 def markdown(rows: list[dict]) -> str:
     """One table per model and text."""
+    from tqjax.eval import dppl_text
+
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for text in dict.fromkeys(r["text"] for r in rows if r["model"] == model):
             out += [f"### {model} — {text}", "",
-                    "| run | weights bpw | KV | PPL | ΔPPL | KL | top-1 | params+KV@8k MiB |",
+                    "| run | weights bpw | KV | PPL | ΔPPL ± s.e. | KL | top-1 "
+                    "| params+KV@8k MiB |",
                     "|---|---|---|---|---|---|---|---|"]
             for r in rows:
                 if (r["model"], r["text"]) == (model, text):
                     out.append(
                         f"| {r['run']} | {r['bpw']:.4f} | {r['kv']} | {r['ppl']:.3f} | "
-                        f"{r['dppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1']:.3f} | "
+                        f"{dppl_text(r)} | {r['kl']:.4f} | {r['top1']:.3f} | "
                         f"{r['total_bytes_8k'] / 2**20:.1f} |")
             out.append("")
     return "\n".join(out)
@@ -155,7 +158,8 @@ def main() -> int:
                     "bpw_overall": bits["bpw"], "params_bytes": bits["bytes"],
                     "kv_bytes_per_token": kv["kv_bytes_per_token"],
                     "total_bytes_8k": bits["bytes"] + kv_8k,
-                    "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / base - 1), "kl": res.kl,
+                    "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / base - 1),
+                    "dppl_se_pct": res.dppl_se_pct, "kl": res.kl,
                     "top1": res.top1, "tokens": res.tokens, "windows": res.windows})
                 print(json.dumps(report["rows"][-1]), flush=True)
             save()

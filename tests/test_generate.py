@@ -102,3 +102,33 @@ def test_context_limits(text_model):
         tqjax.generate(text_model, "x" * 30, ctx_size=16)
     res = tqjax.generate(text_model, "x" * 10, ctx_size=16, max_new_tokens=50)
     assert res.finish_reason == "length" and res.prompt_tokens + res.generated_tokens <= 16
+
+
+def test_sweep_paired_statistics_match_a_direct_computation(model):
+    """sweep's KL, top-1, ΔNLL and its standard error against logits computed here directly."""
+    import dataclasses
+
+    from tqjax.eval import sweep
+    from tqjax.models.quantize import WeightSpec, quantize_params
+
+    quantized = dataclasses.replace(
+        model, params=quantize_params(model.params, model.config, WeightSpec("int4")))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.config.vocab_size, 2 * 16 + 5)
+    res = sweep(ids, 16, {"ref": (model, tqjax.CacheSpec()), "q4": (quantized, tqjax.CacheSpec())},
+                reference="ref")
+
+    def logp(m):
+        out = [tqjax.logits(m, ids[w * 16:(w + 1) * 16].tolist())[:-1] for w in (0, 1)]
+        return np.asarray(jax.nn.log_softmax(jnp.asarray(np.concatenate(out)), axis=-1))
+
+    ref, q = logp(model), logp(quantized)
+    targets = np.concatenate([ids[w * 16 + 1:(w + 1) * 16] for w in (0, 1)])
+    d = -q[np.arange(30), targets] + ref[np.arange(30), targets]
+    r = res["q4"]
+    assert r.tokens == 30 and res["ref"].dnll_se == 0.0 and res["ref"].nll_delta == 0.0
+    np.testing.assert_allclose(r.nll_delta, d.mean(), atol=2e-5)
+    np.testing.assert_allclose(r.dnll_se, d.std(ddof=1) / np.sqrt(30), rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(r.kl, np.mean(np.sum(np.exp(ref) * (ref - q), -1)), atol=2e-5)
+    assert r.dnll_se > 0 and r.top1 == np.mean(ref.argmax(-1) == q.argmax(-1))
+    np.testing.assert_allclose(r.ppl / res["ref"].ppl, np.exp(d.mean()), rtol=1e-4)

@@ -27,6 +27,15 @@ class PerplexityResult:
     windows: int
     kl: float | None = None  # mean KL(reference || model), nats per token
     top1: float | None = None  # fraction of positions whose argmax agrees with the reference
+    nll_delta: float | None = None  # mean per-token NLL minus the reference's, nats
+    dnll_se: float | None = None  # its standard error (paired, tokens taken as independent)
+
+    @property
+    def dppl_se_pct(self) -> float | None:
+        """One standard error of ΔPPL against the reference, in percent of the reference PPL."""
+        if self.nll_delta is None or self.dnll_se is None:
+            return None
+        return 100 * float(np.exp(self.nll_delta)) * self.dnll_se
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -63,14 +72,16 @@ def sweep(ids: list[int] | np.ndarray, ctx: int, runs: dict[str, Run],
           reference: str | None = None) -> dict[str, PerplexityResult]:
     """Perplexity of several (model, cache) runs on the same windows of `ids`.
 
-    With `reference` (a key of `runs`), every run also gets KL(reference || run) and top-1
-    agreement; the reference's log-probs are computed once per window.
+    With `reference` (a key of `runs`), every run also gets KL(reference || run), top-1
+    agreement and the paired NLL difference with its standard error; the reference's log-probs
+    are computed once per window.
     """
     ids = np.asarray(ids, np.int32)
     windows = min(_check_windows(m, len(ids), ctx) for m, _ in runs.values())
     order = sorted(runs, key=lambda name: name != reference)  # reference first
     nll = dict.fromkeys(runs, 0.0)
     kl, agree = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0)
+    diffs: dict[str, list[np.ndarray]] = {name: [] for name in runs}
     for w in range(windows):
         tokens = jnp.asarray(ids[None, w * ctx:(w + 1) * ctx])
         ref_logp = None
@@ -80,17 +91,31 @@ def sweep(ids: list[int] | np.ndarray, ctx: int, runs: dict[str, Run],
             logp, window_nll = window_logprobs(model.params, model.config, tokens, cache)
             nll[name] += float(jnp.sum(window_nll))
             if name == reference:
-                ref_logp = logp
+                ref_logp, ref_nll = logp, np.asarray(window_nll)
             elif ref_logp is not None:
                 k, a = _compare(ref_logp, logp)
                 kl[name], agree[name] = kl[name] + float(k), agree[name] + int(a)
+                diffs[name].append(np.asarray(window_nll) - ref_nll)
     n = windows * (ctx - 1)
     if reference is not None:  # the reference agrees with itself
         agree[reference] = n
-    return {name: PerplexityResult(
-        ppl=float(np.exp(nll[name] / n)), nll=nll[name] / n, tokens=n, windows=windows,
-        kl=kl[name] / n if reference is not None else None,
-        top1=agree[name] / n if reference is not None else None) for name in runs}
+        diffs[reference] = [np.zeros(n)]
+
+    def paired(name: str) -> dict:
+        if reference is None:
+            return {}
+        d = np.concatenate(diffs[name]).astype(np.float64)
+        return {"kl": kl[name] / n, "top1": agree[name] / n, "nll_delta": float(d.mean()),
+                "dnll_se": float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0}
+
+    return {name: PerplexityResult(ppl=float(np.exp(nll[name] / n)), nll=nll[name] / n, tokens=n,
+                                   windows=windows, **paired(name)) for name in runs}
+
+
+def dppl_text(row: dict) -> str:
+    """A result row's ΔPPL as "+0.36% ± 0.12" (the ± only where the row has `dppl_se_pct`)."""
+    se = row.get("dppl_se_pct")
+    return f"{row['dppl_pct']:+.2f}%" + ("" if se is None else f" ± {se:.2f}")
 
 
 def perplexity(model: Model, ids: list[int] | np.ndarray, ctx: int,
