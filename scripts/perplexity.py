@@ -24,7 +24,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="tokens of the text to use (0 = all)")
     p.add_argument("--compare", action="store_true",
-                   help="also report KL divergence and top-1 agreement vs an f32 cache")
+                   help="also report ΔPPL ± its standard error, KL divergence and top-1 "
+                        "agreement against a reference with an f32 cache: the same model "
+                        "unquantized when --weights is given, else the model itself")
+    p.add_argument("--reference", default=None, metavar="MODEL",
+                   help="compare against this model (e.g. the original of a quantized "
+                        "checkpoint) instead; implies --compare")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args()
 
@@ -47,13 +52,24 @@ def main() -> int:
         text, source = corpus_text(args.corpus), args.corpus
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        progress=not args.json)
+    reference_model, reference_name = None, "an f32 cache"
+    if args.reference is not None or (args.compare and args.weights is not None):
+        reference_name = args.reference or f"{args.model} unquantized"
+        reference_model = tqjax.load(args.reference or args.model, dtype=args.dtype,
+                                     progress=not args.json)
+        if reference_model.config.vocab_size != model.config.vocab_size:
+            raise TqjaxError(f"the reference {reference_name} has another vocabulary "
+                             f"({reference_model.config.vocab_size} vs "
+                             f"{model.config.vocab_size} tokens)")
+    compare = args.compare or reference_model is not None
     ids = model.tokenizer.encode(text, add_bos=False)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     t0 = time.perf_counter()
     with use_backend(args.backend):
         res = perplexity(model, ids, args.ctx_size, cache=spec,
-                         reference=tqjax.CacheSpec() if args.compare else None)
+                         reference=tqjax.CacheSpec() if compare else None,
+                         reference_model=reference_model)
     out = {"ppl": round(res.ppl, 4), "nll": round(res.nll, 6), "tokens": res.tokens,
            "windows": res.windows, "ctx": args.ctx_size, "text": source,
            "model": model.source, "dtype": args.dtype,
@@ -61,15 +77,16 @@ def main() -> int:
            **kv_footprint(model, spec, args.ctx_size),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:
-        out |= {"kl": res.kl, "top1": res.top1, "dppl_se_pct": res.dppl_se_pct,
-                "dppl_pct": 100 * float(np.expm1(res.nll_delta))}
+        out |= {"reference": reference_name, "kl": res.kl, "top1": res.top1,
+                "dppl_pct": 100 * float(np.expm1(res.nll_delta)),
+                "dppl_se_pct": res.dppl_se_pct}
     if args.json:
         print_json(out)
     else:
         print(f"perplexity {res.ppl:.4f} over {res.tokens} predicted tokens "
               f"({res.windows} windows of {args.ctx_size}) on {source}")
         if res.kl is not None:
-            print(f"vs an f32 cache: ΔPPL {100 * np.expm1(res.nll_delta):+.2f}% ± "
+            print(f"vs {reference_name}: ΔPPL {100 * np.expm1(res.nll_delta):+.2f}% ± "
                   f"{res.dppl_se_pct:.2f}, KL {res.kl:.5f} nats/token, "
                   f"top-1 agreement {res.top1:.4f}")
     return 0

@@ -111,3 +111,18 @@ def test_prompt_longer_than_context(tiny_model):
 def test_invalid_sampling_values(flag, value, needle):
     # checked before any model is loaded, so no model is needed
     assert_user_error(run("generate.py", "--model", "/nonexistent", flag, value), needle)
+
+
+def test_perplexity_compare_uses_the_unquantized_model_as_reference(tiny_model, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    common = ("--model", tiny_model, "--text-file", text, "--ctx-size", "64", "--max-tokens",
+              "256", "--compare", "--json")
+    quantized = run("perplexity.py", *common, "--weights", "int4")
+    plain = run("perplexity.py", *common)
+    assert quantized.returncode == 0 and plain.returncode == 0, quantized.stderr + plain.stderr
+    q, p = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (quantized, plain))
+    assert q["reference"].endswith("unquantized") and p["reference"] == "an f32 cache"
+    assert p["kl"] < 1e-9 and p["dppl_pct"] == 0.0  # the model against itself
+    assert q["kl"] > 1e-4 and q["dppl_se_pct"] > 0
+    assert abs(q["dppl_pct"] - 100 * (q["ppl"] / p["ppl"] - 1)) < 1e-3
