@@ -31,10 +31,12 @@ from tqjax.models.transformer import forward
 from tqjax.quant.mixed import allocate, candidate_formats, relative_distortion
 from tqjax.quant.packing import unpack_bits
 from tqjax.quant.weights import (
+    QuantizedLinear,
     WeightFormat,
     dequantize_weight,
     effective_weight,
     format_lut,
+    gather_columns,
     hessian_factor,
     linear,
     quantize_linear,
@@ -242,8 +244,6 @@ def test_params_bits_exact(tiny):
 
 def test_tied_model_round_trip(tmp_path):
     m = tqjax.load(GOLDEN / "tiny" / "llama_tied")
-    with pytest.raises(TqjaxError, match="ties"):
-        quantize_params(m.params, m.config, WeightSpec("int8", quantize_embeddings=True))
     q = quantize_params(m.params, m.config, WeightSpec("int8"))
     ckpt.save_quantized(tmp_path / "tied", q, m.config, method={}, dense_dtype="bfloat16")
     loaded = tqjax.load(tmp_path / "tied")
@@ -421,3 +421,37 @@ def test_quantized_weights_prefill_then_decode(tiny_qwen3_tq4, kv):
     if kv == "f32":
         np.testing.assert_allclose(decoded, run([12]), atol=2e-4)
     assert rel_err(decoded, tqjax.logits(m, TOKENS[:12])) < 0.4
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("tq", 4, 16), WeightFormat("sym", 8, 0),
+                                 WeightFormat("affine", 4, 32)])
+def test_gather_columns_is_the_effective_weight(fmt):
+    w = jax.random.normal(jax.random.PRNGKey(3), (40, 24))  # 40 rows: not a multiple of 16/32
+    q = quantize_linear(w, fmt)
+    ids = jnp.asarray([[3, 0, 23], [7, 7, 1]])
+    got = gather_columns(q, ids)
+    assert got.shape == (2, 3, 40)
+    np.testing.assert_allclose(got, effective_weight(q).T[ids], atol=1e-5)
+    assert rel_err(got, w.T[ids]) < (0.02 if fmt.bits == 8 else 0.2)
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2"])
+def test_quantized_embeddings(name, tmp_path):
+    """The embedding (and a tied head reading the same codes) quantized; checkpoint round trip."""
+    m = tqjax.load(GOLDEN / "tiny" / name)
+    dense = quantize_params(m.params, m.config, WeightSpec("int8"))
+    q = quantize_params(m.params, m.config, WeightSpec("int8", quantize_embeddings=True))
+    assert isinstance(q.embed, QuantizedLinear) and q.embed.out_features == m.config.vocab_size
+    assert (q.lm_head is None) == m.config.tie_embeddings
+    want = tqjax.logits(dataclasses.replace(m, params=dense), TOKENS)
+    got = tqjax.logits(dataclasses.replace(m, params=q), TOKENS)
+    assert 0 < rel_err(got, want) < 0.03
+    bits = params_bits(q)
+    extra = [w for w in (q.embed, q.lm_head) if w is not None]
+    assert bits["quantized_params"] == params_bits(dense)["quantized_params"] + sum(
+        w.in_features * w.out_features for w in extra)
+    assert bits["bytes"] < params_bits(dense)["bytes"]
+    ckpt.save_quantized(tmp_path / "q", q, m.config, method={})
+    loaded = tqjax.load(tmp_path / "q")
+    assert isinstance(loaded.params.embed, QuantizedLinear)
+    np.testing.assert_allclose(tqjax.logits(loaded, TOKENS), got, atol=1e-4)

@@ -1,10 +1,10 @@
 """Quantizing a whole model's linears: `WeightSpec`, `quantize_params`, `params_bits`.
 
-Every decoder linear (q/k/v/o, gate/up/down) becomes a `QuantizedLinear`; norms, biases and the
-token embedding stay dense, and the output head (untied models) is quantized only with
-`quantize_embeddings`. Data-free by default; with calibration token windows the codes are chosen
-by GPTQ, layer by layer in order, each layer seeing the inputs produced by the already-quantized
-layers before it (`run_sequential`), and the "mixed" allocator uses Fisher sensitivities.
+Every decoder linear (q/k/v/o, gate/up/down) becomes a `QuantizedLinear`; norms and biases stay
+dense, and so do the token embedding and output head unless `quantize_embeddings` is set.
+Data-free by default; with calibration token windows the codes are chosen by GPTQ, layer by
+layer in order, each layer seeing the inputs produced by the already-quantized layers before it
+(`run_sequential`), and the "mixed" allocator uses Fisher sensitivities.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tqjax.models.transformer import (
     LayerParams,
     Params,
     attention_heads,
+    embed_tokens,
     forward,
     gated_activation,
     rms_norm,
@@ -66,8 +67,9 @@ class WeightSpec:
     method: one of METHODS or "mixed" (per-tensor "tq" bits meeting `bpw`).
     bpw: target average bits per weight of the quantized tensors, every stored byte counted
       (mixed only). group_size: input rows per scale (None: the method's default; "tq": 64).
-    quantize_embeddings: also quantize the output head (untied models; the token embedding
-      table itself stays dense). seed: rotation seed. damp: GPTQ relative dampening.
+    quantize_embeddings: also quantize the token embedding (round to nearest in the base
+      format, stored as embedᵀ so a tied head reads the same codes) and an untied output head
+      (like a decoder linear). seed: rotation seed. damp: GPTQ relative dampening.
     """
 
     method: str = "tq4"
@@ -151,6 +153,7 @@ def _add_linear(x: jax.Array, inputs: jax.Array, w: Any) -> jax.Array:
 
 
 _gated = jax.jit(gated_activation)
+_embed = jax.jit(embed_tokens)
 
 
 @jax.jit
@@ -173,7 +176,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
     `transformer.forward`, run in stages). `head` also replaces the untied output head.
     Returns the new params and the final-normed hidden states (one [1, T, D] per window).
     """
-    x = [params.embed[jnp.asarray(w, jnp.int32)[None]] for w in windows]
+    x = [_embed(params.embed, jnp.asarray(w, jnp.int32)[None]) for w in windows]
     inv_freq, eps = params.rope_inv_freq, config.rms_eps
 
     def stage(lp: LayerParams, i: int, fields: tuple[str, ...],
@@ -325,8 +328,8 @@ def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.nd
 
 def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
                     calibration: np.ndarray | None = None, progress: bool = False) -> Params:
-    """Params whose decoder linears (and untied head with `spec.quantize_embeddings`) are
-    `QuantizedLinear`s per `spec`.
+    """Params whose decoder linears (and, with `spec.quantize_embeddings`, the embedding and an
+    untied head) are `QuantizedLinear`s per `spec`.
 
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
@@ -334,9 +337,6 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     """
     if any(isinstance(get_path(params, p), QuantizedLinear) for p in linear_paths(params)):
         raise TqjaxError("these params are already quantized")
-    if spec.quantize_embeddings and params.lm_head is None:
-        raise TqjaxError("this model ties its output head to the token embedding, which stays "
-                         "dense (a quantized embedding needs a quantized gather in forward)")
     windows = _check_windows(calibration, config)
     paths = linear_paths(params, spec.quantize_embeddings)
     formats = weight_formats(params, config, spec, paths, windows)
@@ -356,6 +356,8 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
+    if spec.quantize_embeddings:
+        params = params.replace(embed=quantize_linear(params.embed.T, spec.base_format, spec.seed))
     with bar:
         if windows is None:
             return set_paths(params, {p: quantize(p, get_path(params, p), None) for p in paths})

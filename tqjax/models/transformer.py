@@ -41,7 +41,7 @@ class LayerParams:
 
 @struct.dataclass
 class Params:
-    embed: jax.Array  # [V, D]
+    embed: Weight  # [V, D] dense, or the QuantizedLinear of embedᵀ [D, V] (quantized embedding)
     layers: list[LayerParams]
     final_norm: jax.Array  # [D]
     lm_head: Weight | None  # [D, V]; None when tied to `embed`
@@ -80,6 +80,13 @@ def gated_activation(lp: LayerParams, x: jax.Array) -> jax.Array:
     return jax.nn.silu(qw.linear(x, lp.w_gate)) * qw.linear(x, lp.w_up)
 
 
+def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
+    """Token ids int [...] -> embeddings [..., D] from a dense [V, D] or quantized embedᵀ table."""
+    if isinstance(embed, qw.QuantizedLinear):
+        return qw.gather_columns(embed, tokens)
+    return embed[tokens]
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
             cache: kvc.KVCache, out_index: jax.Array | None = None,
             queries: list[jax.Array] | None = None) -> tuple[jax.Array, kvc.KVCache]:
@@ -90,8 +97,8 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     `out_index` int32 [B] when given, and the updated cache. A `queries` list, if given, is
     filled with every layer's post-RoPE queries [B, T, H, hd].
     """
-    dtype = params.embed.dtype
-    x = params.embed[tokens].astype(dtype)
+    dtype = params.final_norm.dtype
+    x = embed_tokens(params.embed, tokens).astype(dtype)
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(positions, params.rope_inv_freq)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
@@ -107,9 +114,11 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     if out_index is not None:
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, config.rms_eps)
-    if params.lm_head is None:
+    if params.lm_head is None and not isinstance(params.embed, qw.QuantizedLinear):
         logits = jnp.einsum("...d,vd->...v", x, params.embed.astype(x.dtype),
                             preferred_element_type=jnp.float32)
+    elif params.lm_head is None:  # tied to a quantized embedding, stored as embedᵀ
+        logits = qw.linear(x, params.embed).astype(jnp.float32)
     else:
         logits = qw.linear(x, params.lm_head).astype(jnp.float32)
     return logits, kvc.KVCache(new_layers)

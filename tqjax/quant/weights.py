@@ -108,6 +108,22 @@ def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype))
 
 
+def gather_columns(w: QuantizedLinear, ids: jax.Array) -> jax.Array:
+    """Columns `ids` int [...] of the dense weight, in the original basis: f32 [..., in_features].
+
+    A quantized embedding table is stored as the QuantizedLinear of embedᵀ [D, V], so this is
+    the token lookup (it unpacks only the gathered columns) and `linear` is the tied head.
+    """
+    codes = unpack_bits(w.packed.T[ids], w.bits, w.padded_in)  # [..., K_pad]
+    values = w.lut[codes.astype(jnp.int32)].reshape(*ids.shape, -1, w.group)
+    values = values * w.scale.T[ids].astype(jnp.float32)[..., None]
+    if w.offset is not None:
+        values = values + w.offset.T[ids].astype(jnp.float32)[..., None]
+    if w.rotation is not None:
+        values = unrotate(values, w.rotation)
+    return values.reshape(*ids.shape, -1)[..., : w.in_features]
+
+
 def effective_weight(w: QuantizedLinear) -> jax.Array:
     """The dense weight the quantized one stands for, f32 [in_features, N] (original basis)."""
     v = dequantize_weight(w)
