@@ -19,18 +19,19 @@ from pathlib import Path
 
 from tqjax.cli import ArgumentParser, run_main
 
-# run name -> (method, bpw, calibrated)
+# run name -> (method, bpw, calibrated, quantized embeddings)
 RUNS = {
-    "int8": ("int8", None, False),
-    "int8-gptq": ("int8", None, True),
-    "int4": ("int4", None, False),
-    "int4-gptq": ("int4", None, True),
-    "int4-affine": ("int4-affine", None, False),
-    "tq4-free": ("tq4", None, False),
-    "tq4": ("tq4", None, True),
-    "tq3": ("tq3", None, True),
-    "mixed-4.25": ("mixed", 4.25, True),
-    "mixed-3.5": ("mixed", 3.5, True),
+    "int8": ("int8", None, False, False),
+    "int8-gptq": ("int8", None, True, False),
+    "int4": ("int4", None, False, False),
+    "int4-gptq": ("int4", None, True, False),
+    "int4-affine": ("int4-affine", None, False, False),
+    "tq4-free": ("tq4", None, False, False),
+    "tq4": ("tq4", None, True, False),
+    "tq4-emb": ("tq4", None, True, True),
+    "tq3": ("tq3", None, True, False),
+    "mixed-4.25": ("mixed", 4.25, True, False),
+    "mixed-3.5": ("mixed", 3.5, True, False),
 }
 KV_CONTEXT = 8192
 
@@ -116,8 +117,8 @@ def main() -> int:
                                       args.calibration_windows, args.calibration_length)
         variants = {"f32": (model, tqjax.CacheSpec())}
         for run in runs:
-            method, bpw, calibrated = RUNS[run]
-            spec = WeightSpec(method, bpw=bpw)
+            method, bpw, calibrated, embeddings = RUNS[run]
+            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings)
             t0 = time.perf_counter()
             params = quantize_params(model.params, model.config, spec,
                                      windows if calibrated else None, progress=True)
@@ -141,8 +142,9 @@ def main() -> int:
                               "seconds": round(entry["quantize_seconds"], 1)}), flush=True)
         if kv_spec is not None:
             variants[f"f32+kv {args.kv}"] = (model, kv_spec)
-            if "tq4" in variants:
-                variants[f"tq4+kv {args.kv}"] = (variants["tq4"][0], kv_spec)
+            for run in ("tq4", "tq4-emb"):
+                if run in variants:
+                    variants[f"{run}+kv {args.kv}"] = (variants[run][0], kv_spec)
         save()
         for text in args.texts.split(","):
             ids = model.tokenizer.encode(corpus_text(text))[:args.max_tokens]
