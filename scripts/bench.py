@@ -142,7 +142,8 @@ def main() -> int:
     spec = cache_spec(args)
     if min(args.prompt_tokens, args.decode_tokens, args.repeats) < 1:
         raise TqjaxError("--prompt-tokens, --decode-tokens and --repeats must be >= 1")
-    model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw)
+    model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       quantize_embeddings=args.quantize_embeddings)
     result = {"model": model.source, "dtype": args.dtype, "backend": jax.default_backend(),
               "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
               "cache_type_k": spec.k, "cache_type_v": spec.v,

@@ -43,6 +43,7 @@ def main() -> int:
     if args.ctx_size is not None and args.ctx_size < 2:
         raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       quantize_embeddings=args.quantize_embeddings,
                        progress=not args.json)
 
     def stream(piece: str) -> None:

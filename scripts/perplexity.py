@@ -51,6 +51,7 @@ def main() -> int:
     else:
         text, source = corpus_text(args.corpus), args.corpus
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       quantize_embeddings=args.quantize_embeddings,
                        progress=not args.json)
     reference_model, reference_name = None, "an f32 cache"
     if args.reference is not None or (args.compare and args.weights is not None):

@@ -126,3 +126,8 @@ def test_perplexity_compare_uses_the_unquantized_model_as_reference(tiny_model, 
     assert p["kl"] < 1e-9 and p["dppl_pct"] == 0.0  # the model against itself
     assert q["kl"] > 1e-4 and q["dppl_se_pct"] > 0
     assert abs(q["dppl_pct"] - 100 * (q["ppl"] / p["ppl"] - 1)) < 1e-3
+
+
+def test_quantize_embeddings_needs_a_weights_method(tiny_model):
+    assert_user_error(run("generate.py", "--model", tiny_model, "--prompt", "hi",
+                          "--quantize-embeddings"), "weights method")

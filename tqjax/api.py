@@ -74,11 +74,16 @@ ON_THE_FLY_CALIBRATION = (4, 512)  # windows x tokens of calibration text for `w
 
 
 def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
-         progress: bool = False, weights: str | None = None, bpw: float | None = None) -> Model:
+         progress: bool = False, weights: str | None = None, bpw: float | None = None,
+         quantize_embeddings: bool = False) -> Model:
     """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory, .gguf file or
     quantized checkpoint directory. `weights` ("tq4", "tq3", "mixed" with `bpw`, "int8",
     "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short built-in
-    calibration text; `scripts/quantize.py` saves the result instead)."""
+    calibration text; `scripts/quantize.py` saves the result instead); `quantize_embeddings`
+    quantizes the embedding table and an untied head too."""
+    if weights is None and (bpw is not None or quantize_embeddings):
+        raise TqjaxError("a bpw target and quantized embeddings go with a weights method "
+                         "(e.g. --weights tq4)")
     path = resolve_path(path_or_name, progress)
     config, params, meta = load_checkpoint(path, dtype, progress)
     if not path.is_dir():
@@ -88,7 +93,7 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     else:
         tokenizer = None
     if weights is not None:
-        spec = WeightSpec(weights, bpw=bpw)
+        spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
         windows = None
         if tokenizer is not None:
             count, length = ON_THE_FLY_CALIBRATION
