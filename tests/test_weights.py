@@ -45,7 +45,8 @@ from tqjax.quant.weights import (
 from .conftest import GOLDEN
 
 FORMATS = [WeightFormat("sym", 8, 0), WeightFormat("sym", 4, 32), WeightFormat("affine", 4, 32),
-           WeightFormat("tq", 4, 64), WeightFormat("tq", 3, 64), WeightFormat("tq", 2, 32)]
+           WeightFormat("tq", 8, 64), WeightFormat("tq", 4, 64), WeightFormat("tq", 3, 64),
+           WeightFormat("tq", 2, 32)]
 TOKENS = list(range(3, 35))
 
 
@@ -66,7 +67,7 @@ def tiny_ref(tiny):
 # ---------------------------------------------------------------- formats and quantizers
 
 
-@pytest.mark.parametrize("fmt,k", [(f, k) for f, k in zip(FORMATS, [40, 112, 112, 112, 64, 40],
+@pytest.mark.parametrize("fmt,k", [(f, k) for f, k in zip(FORMATS, [40, 112, 112, 100, 112, 64, 40],
                                                             strict=True)],
                          ids=lambda x: getattr(x, "name", str(x)))
 def test_quantize_linear_round_trip_and_padding(fmt, k):

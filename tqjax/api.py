@@ -77,7 +77,7 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
          progress: bool = False, weights: str | None = None, bpw: float | None = None,
          quantize_embeddings: bool = False) -> Model:
     """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory, .gguf file or
-    quantized checkpoint directory. `weights` ("tq4", "tq3", "mixed" with `bpw`, "int8",
+    quantized checkpoint directory. `weights` ("tq8", "tq4", "tq3", "mixed" with `bpw`, "int8",
     "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short built-in
     calibration text; `scripts/quantize.py` saves the result instead); `quantize_embeddings`
     quantizes the embedding table and an untied head too."""

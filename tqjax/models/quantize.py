@@ -49,6 +49,7 @@ from tqjax.quant.weights import (
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 METHODS = {  # method -> (kind, bits, default group)
+    "tq8": ("tq", 8, 64),
     "tq4": ("tq", 4, 64),
     "tq3": ("tq", 3, 64),
     "tq2": ("tq", 2, 64),
