@@ -114,11 +114,10 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     if out_index is not None:
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, config.rms_eps)
-    if params.lm_head is None and not isinstance(params.embed, qw.QuantizedLinear):
-        logits = jnp.einsum("...d,vd->...v", x, params.embed.astype(x.dtype),
+    head = params.embed if params.lm_head is None else params.lm_head
+    if head is params.embed and not isinstance(head, qw.QuantizedLinear):  # dense tied [V, D]
+        logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype),
                             preferred_element_type=jnp.float32)
-    elif params.lm_head is None:  # tied to a quantized embedding, stored as embedᵀ
-        logits = qw.linear(x, params.embed).astype(jnp.float32)
-    else:
-        logits = qw.linear(x, params.lm_head).astype(jnp.float32)
+    else:  # [D, V]: an untied head, or a quantized embedding (stored as embedᵀ)
+        logits = qw.linear(x, head).astype(jnp.float32)
     return logits, kvc.KVCache(new_layers)

@@ -126,11 +126,7 @@ def gather_columns(w: QuantizedLinear, ids: jax.Array) -> jax.Array:
 
 def effective_weight(w: QuantizedLinear) -> jax.Array:
     """The dense weight the quantized one stands for, f32 [in_features, N] (original basis)."""
-    v = dequantize_weight(w)
-    if w.rotation is not None:
-        k, n = v.shape
-        v = unrotate(v.T.reshape(n, k // w.group, w.group), w.rotation).reshape(n, k).T
-    return v[: w.in_features]
+    return gather_columns(w, jnp.arange(w.out_features)).T
 
 
 # ---------------------------------------------------------------- formats
