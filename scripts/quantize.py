@@ -34,8 +34,8 @@ def parse_args(argv: list[str] | None = None) -> object:
                    help="input rows per scale (default: 64 for tq/mixed, 32 for int4, "
                         "per-channel for int8)")
     p.add_argument("--quantize-embeddings", action="store_true",
-                   help="also quantize the token embedding (and an untied output head): "
-                        "far less memory for large-vocabulary models")
+                   help="also quantize the token embedding and an untied output head (8-bit "
+                        "TurboQuant): far less memory for large-vocabulary models")
     p.add_argument("--calibration", default="default", help=CALIBRATION_HELP)
     p.add_argument("--calibration-windows", type=int, default=8, help="windows of calibration text")
     p.add_argument("--calibration-length", type=int, default=1024, help="tokens per window")

@@ -16,6 +16,7 @@ from tqjax.fetch import PYTHON_STDLIB_MODULES
 from tqjax.models import checkpoint as ckpt
 from tqjax.models.quantize import (
     CALIBRATION_MODULES,
+    EMBEDDING_FORMAT,
     WeightSpec,
     calibration_source,
     fisher_sensitivity,
@@ -206,7 +207,8 @@ def test_quantized_forward_close_to_dense(tiny, tiny_ref, method, budget):
 def test_calibrated_gptq_with_head(tiny, tiny_ref):
     cal = np.random.default_rng(0).integers(0, 256, (2, 48))
     q = quantize_params(tiny.params, tiny.config, WeightSpec("tq3", quantize_embeddings=True), cal)
-    assert all(get_path(q, p).bits == 3 for p in linear_paths(q))
+    assert all(get_path(q, p).bits == 3 for p in linear_paths(q, quantize_head=False))
+    assert q.lm_head.bits == EMBEDDING_FORMAT.bits == q.embed.bits  # the head keeps 8 bits
     got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
     assert rel_err(got, tiny_ref) < 0.5
     with pytest.raises(TqjaxError, match="already quantized"):
@@ -217,13 +219,16 @@ def test_calibrated_gptq_with_head(tiny, tiny_ref):
 
 def test_fisher_mixed_allocation(tiny):
     cal = np.random.default_rng(0).integers(0, 256, (2, 48))
-    paths = linear_paths(tiny.params)
+    paths = linear_paths(tiny.params, quantize_head=False)
     spec = WeightSpec("mixed", bpw=4.25)
     sens = fisher_sensitivity(tiny.params, tiny.config, paths, cal, 64)
     assert all(v > 0 for v in sens.values())
     fmts = weight_formats(tiny.params, tiny.config, spec, paths, cal)
     n = sum(math.prod(get_path(tiny.params, p).shape) for p in paths)
     bits = sum(f.tensor_bits(*get_path(tiny.params, p).shape) for p, f in fmts.items())
+    # an untied head stays outside the budget, in the embedding format
+    assert weight_formats(tiny.params, tiny.config, spec, [*paths, "lm_head"], cal) == (
+        fmts | {"lm_head": EMBEDDING_FORMAT})
     assert 3.5 * n < bits <= 4.25 * n
     assert fmts != weight_formats(tiny.params, tiny.config, spec, paths)  # data-free differs
 
@@ -444,6 +449,7 @@ def test_quantized_embeddings(name, tmp_path):
     q = quantize_params(m.params, m.config, WeightSpec("int8", quantize_embeddings=True))
     assert isinstance(q.embed, QuantizedLinear) and q.embed.out_features == m.config.vocab_size
     assert (q.lm_head is None) == m.config.tie_embeddings
+    assert all(w.bits == EMBEDDING_FORMAT.bits for w in (q.embed, q.lm_head) if w is not None)
     want = tqjax.logits(dataclasses.replace(m, params=dense), TOKENS)
     got = tqjax.logits(dataclasses.replace(m, params=q), TOKENS)
     assert 0 < rel_err(got, want) < 0.03

@@ -35,7 +35,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the weights on the fly (see scripts/quantize.py to save them)")
     p.add_argument("--bpw", type=float, default=None, help="target bits per weight for mixed")
     p.add_argument("--quantize-embeddings", action="store_true",
-                   help="with --weights: also quantize the embedding table (and an untied head)")
+                   help="with --weights: also quantize the embedding table and an untied head "
+                        "(8-bit TurboQuant)")
     p.add_argument("--cache-type-k", default=None,
                    help="KV cache format for keys: f32 (default), bf16, f16, q8, q4, turbo2, "
                         "turbo2.5, turbo3, turbo3.5, turbo4, turboN-prod; given alone it "

@@ -58,8 +58,9 @@ METHODS = {  # method -> (kind, bits, default group)
     "int4-affine": ("affine", 4, 32),
 }
 MIXED = "mixed"
-# The token embedding (and with it a tied head) keeps 8 bits, as GGUF files ship it (Q8_0): at 4
-# bits SmolLM2's tied table alone doubles the perplexity cost of tq4 (+14.9% vs +7.6% on Macbeth).
+# The token embedding and the output head (tied or not) keep 8 bits, as GGUF files ship them
+# (Q8_0 tables, Q6_K/Q8_0 heads): at 4 bits SmolLM2's tied table alone doubles the perplexity
+# cost of tq4 (+14.9% vs +7.6% on Macbeth).
 EMBEDDING_FORMAT = WeightFormat("tq", 8, 64)
 FISHER_TOKENS = 256  # tokens of each calibration window used for Fisher sensitivities
 
@@ -73,7 +74,8 @@ class WeightSpec:
       (mixed only). group_size: input rows per scale (None: the method's default; "tq": 64).
     quantize_embeddings: also quantize the token embedding (`EMBEDDING_FORMAT`, round to
       nearest, stored as embedᵀ so a tied head reads the same codes) and an untied output head
-      (like a decoder linear). seed: rotation seed. damp: GPTQ relative dampening.
+      (`EMBEDDING_FORMAT`, GPTQ when calibrated; outside the mixed allocation).
+      seed: rotation seed. damp: GPTQ relative dampening.
     """
 
     method: str = "tq4"
@@ -303,17 +305,20 @@ def fisher_sensitivity(params: Params, config: ModelConfig, paths: list[str],
 def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths: list[str],
                    windows: np.ndarray | None = None) -> dict[str, WeightFormat]:
     """The format of every quantized linear: the method's, or the "mixed" allocation (Fisher
-    sensitivities with calibration windows, equal relative-error weights without)."""
+    sensitivities with calibration windows, equal relative-error weights without); an untied
+    "lm_head" among `paths` gets `EMBEDDING_FORMAT`."""
     fmt = spec.base_format
+    head = {"lm_head": EMBEDDING_FORMAT} if "lm_head" in paths else {}
+    paths = [p for p in paths if p not in head]
     if spec.method != MIXED:
-        return dict.fromkeys(paths, fmt)
+        return dict.fromkeys(paths, fmt) | head
     shapes = {p: tuple(get_path(params, p).shape) for p in paths}
     if windows is None:
         sensitivity = dict.fromkeys(paths, 1.0)
     else:  # shorter windows bound the memory of the backward pass (logits of a big vocab)
         sensitivity = fisher_sensitivity(params, config, paths, windows[:, :FISHER_TOKENS],
                                          fmt.group, spec.seed)
-    return allocate(shapes, sensitivity, spec.bpw, fmt.group)
+    return allocate(shapes, sensitivity, spec.bpw, fmt.group) | head
 
 
 def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.ndarray | None:
