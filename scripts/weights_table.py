@@ -23,6 +23,7 @@ from tqjax.cli import ArgumentParser, run_main
 RUNS = {
     "int8": ("int8", None, False, False),
     "int8-gptq": ("int8", None, True, False),
+    "int8-rot": ("int8-rot", None, True, False),
     "tq8": ("tq8", None, True, False),
     "int4": ("int4", None, False, False),
     "int4-gptq": ("int4", None, True, False),

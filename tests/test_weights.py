@@ -47,7 +47,8 @@ from .conftest import GOLDEN
 
 FORMATS = [WeightFormat("sym", 8, 0), WeightFormat("sym", 4, 32), WeightFormat("affine", 4, 32),
            WeightFormat("tq", 8, 64), WeightFormat("tq", 4, 64), WeightFormat("tq", 3, 64),
-           WeightFormat("tq", 2, 32)]
+           WeightFormat("tq", 2, 32), WeightFormat("sym", 8, 0, rotation=64),
+           WeightFormat("affine", 4, 32, rotation=16)]
 TOKENS = list(range(3, 35))
 
 
@@ -68,19 +69,19 @@ def tiny_ref(tiny):
 # ---------------------------------------------------------------- formats and quantizers
 
 
-@pytest.mark.parametrize("fmt,k", [(f, k) for f, k in zip(FORMATS, [40, 112, 112, 100, 112, 64, 40],
-                                                            strict=True)],
+@pytest.mark.parametrize("fmt,k", list(zip(FORMATS, [40, 112, 112, 100, 112, 64, 40, 100, 40],
+                                           strict=True)),
                          ids=lambda x: getattr(x, "name", str(x)))
 def test_quantize_linear_round_trip_and_padding(fmt, k):
     w = np.random.default_rng(k).standard_normal((k, 24)).astype(np.float32)
     q = quantize_linear(jnp.asarray(w), fmt)
-    g = fmt.group or k
-    k_pad = -(-k // g) * g
+    g, k_pad = fmt.group_size(k), fmt.padded_in(k)  # rotated per channel: 100 -> 128 rows
+    assert g == (fmt.group or -(-k // max(fmt.rotation_block, 1)) * max(fmt.rotation_block, 1))
     assert (q.in_features, q.padded_in, q.out_features, q.group) == (k, k_pad, 24, g)
     assert q.packed.shape == (k_pad * fmt.bits // 8, 24) and q.packed.dtype == jnp.uint8
     assert q.scale.shape == (k_pad // g, 24) and q.scale.dtype == jnp.float16
     assert (q.offset is not None) == (fmt.kind == "affine")
-    assert (q.rotation is not None) == (fmt.kind == "tq")
+    assert (q.rotation.dim if q.rotation else 0) == fmt.rotation_block
     codes = np.asarray(unpack_bits(q.packed.T, fmt.bits, k_pad).T)
     # the reference dequantization is scale * lut[code] (+ offset) in the stored basis
     want = np.asarray(q.lut)[codes].reshape(k_pad // g, g, 24) * np.asarray(
@@ -118,21 +119,23 @@ def test_tq_lut_is_the_shared_lloyd_max_codebook():
     assert format_lut(WeightFormat("tq", 3, 64)) is lut  # one shared array per format
 
 
-@pytest.mark.parametrize("kind,bits,group", [("tq", 4, 48), ("tq", 4, 0), ("sym", 4, 12),
-                                             ("int", 4, 32), ("sym", 9, 32)])
-def test_bad_formats(kind, bits, group):
+@pytest.mark.parametrize("kind,bits,group,rotation", [
+    ("tq", 4, 48, 0), ("tq", 4, 0, 0), ("sym", 4, 12, 0), ("int", 4, 32, 0), ("sym", 9, 32, 0),
+    ("tq", 4, 64, 64), ("sym", 8, 0, 48), ("sym", 4, 32, 64), ("affine", 4, 32, 4)])
+def test_bad_formats(kind, bits, group, rotation):
     with pytest.raises(TqjaxError):
-        WeightFormat(kind, bits, group)
+        WeightFormat(kind, bits, group, rotation)
 
 
-def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+@pytest.mark.parametrize("fmt", [WeightFormat("tq", 3, 64), WeightFormat("sym", 8, 0, 64)],
+                         ids=lambda f: f.name)
+def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt):
     rng = np.random.default_rng(0)
     k, n = 128, 32
     mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
     x = (rng.standard_normal((2048, k)) * np.linspace(0.2, 3, k)) @ mix
     w = rng.standard_normal((k, n)).astype(np.float32)
     h = jnp.asarray(x.T @ x, jnp.float32)
-    fmt = WeightFormat("tq", 3, 64)
     err = [float(np.sum((x @ (np.asarray(effective_weight(q)) - w)) ** 2))
            for q in (quantize_linear(jnp.asarray(w), fmt),
                      quantize_linear(jnp.asarray(w), fmt, hessian=hessian_factor(h, fmt)))]
@@ -196,7 +199,8 @@ def test_sequential_stages_reproduce_forward(tiny):
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
-@pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int4", 0.35), ("tq4", 0.35)])
+@pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int8-rot", 0.03), ("int4", 0.35),
+                                           ("tq4", 0.35)])
 def test_quantized_forward_close_to_dense(tiny, tiny_ref, method, budget):
     q = quantize_params(tiny.params, tiny.config, WeightSpec(method))
     got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
@@ -430,7 +434,7 @@ def test_quantized_weights_prefill_then_decode(tiny_qwen3_tq4, kv):
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat("tq", 4, 16), WeightFormat("sym", 8, 0),
-                                 WeightFormat("affine", 4, 32)])
+                                 WeightFormat("sym", 8, 0, 16), WeightFormat("affine", 4, 32)])
 def test_gather_columns_is_the_effective_weight(fmt):
     w = jax.random.normal(jax.random.PRNGKey(3), (40, 24))  # 40 rows: not a multiple of 16/32
     q = quantize_linear(w, fmt)
@@ -439,6 +443,23 @@ def test_gather_columns_is_the_effective_weight(fmt):
     assert got.shape == (2, 3, 40)
     np.testing.assert_allclose(got, effective_weight(q).T[ids], atol=1e-5)
     assert rel_err(got, w.T[ids]) < (0.02 if fmt.bits == 8 else 0.2)
+
+
+def test_rotated_int8_gptq_checkpoint(tiny, tiny_ref, tmp_path):
+    """Per-channel int8 in the 64-row Hadamard basis, GPTQ-calibrated, saved and reloaded."""
+    cal = np.random.default_rng(0).integers(0, 256, (2, 48))
+    q = quantize_params(tiny.params, tiny.config, WeightSpec("int8-rot"), cal)
+    w = q.layers[0].wq  # 112 inputs padded to 128, one scale per output channel
+    assert (w.rotation.dim, w.group, w.padded_in, w.bits) == (64, 128, 128, 8)
+    tq = quantize_linear(jax.random.normal(jax.random.PRNGKey(0), (16, 8)),
+                         WeightFormat("tq", 4, 8))
+    assert (ckpt.kind_of(w), ckpt.kind_of(tq)) == ("sym", "tq")  # told apart by the codebook
+    got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
+    assert 0 < rel_err(got, tiny_ref) < 0.03
+    ckpt.save_quantized(tmp_path / "q", q, tiny.config, method={"method": "int8-rot"})
+    loaded = tqjax.load(tmp_path / "q")
+    assert loaded.params.layers[0].wq.rotation.dim == 64
+    np.testing.assert_array_equal(tqjax.logits(loaded, TOKENS), got)
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2"])

@@ -116,8 +116,11 @@ def _unflatten(flat: dict[str, Any], config: ModelConfig) -> Params:
 
 
 def kind_of(w: QuantizedLinear) -> str:
-    """The format kind of a quantized weight: "tq" (rotated), "affine" (offset) or "sym"."""
-    return "tq" if w.rotation is not None else "affine" if w.offset is not None else "sym"
+    """The format kind of a quantized weight: "affine" (offset), "sym" (integer levels, rotated
+    or not) or "tq" (a Lloyd–Max codebook)."""
+    if w.offset is not None:
+        return "affine"
+    return "sym" if bool(jnp.all(w.lut == jnp.round(w.lut))) else "tq"
 
 
 def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
@@ -180,10 +183,12 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
     if lut_name not in shared or shared[lut_name].shape != (1 << bits,):
         raise TqjaxError(f"quantized checkpoint: {name} needs a {1 << bits}-entry lut {lut_name}")
     rotation = None
-    if kind == "tq":
+    if kind == "tq" or rot_name is not None:
         rotation = shared.get(rot_name)
-        if not isinstance(rotation, Rotation) or rotation.dim != group:
-            raise TqjaxError(f"quantized checkpoint: {name} needs a rotation of dim {group}")
+        d = rotation.dim if isinstance(rotation, Rotation) else 0
+        if not (d == group if kind == "tq" else d and group % d == 0):
+            raise TqjaxError(f"quantized checkpoint: {name} needs a rotation whose dim "
+                             f"{'is' if kind == 'tq' else 'divides'} its group {group}")
     return QuantizedLinear(packed=expect[".packed"], scale=expect[".scale"], lut=shared[lut_name],
                            offset=expect.get(".offset"), rotation=rotation, bits=bits,
                            group=group, in_features=k)

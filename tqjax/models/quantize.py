@@ -48,14 +48,15 @@ from tqjax.quant.weights import (
 )
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-METHODS = {  # method -> (kind, bits, default group)
-    "tq8": ("tq", 8, 64),
-    "tq4": ("tq", 4, 64),
-    "tq3": ("tq", 3, 64),
-    "tq2": ("tq", 2, 64),
-    "int8": ("sym", 8, 0),
-    "int4": ("sym", 4, 32),
-    "int4-affine": ("affine", 4, 32),
+METHODS = {  # method -> format (with its default group)
+    "tq8": WeightFormat("tq", 8, 64),
+    "tq4": WeightFormat("tq", 4, 64),
+    "tq3": WeightFormat("tq", 3, 64),
+    "tq2": WeightFormat("tq", 2, 64),
+    "int8": WeightFormat("sym", 8, 0),  # per-channel absmax (the baseline)
+    "int8-rot": WeightFormat("sym", 8, 0, rotation=64),  # the same over 64-row Hadamard blocks
+    "int4": WeightFormat("sym", 4, 32),  # Q4_0-like
+    "int4-affine": WeightFormat("affine", 4, 32),  # Q4_1-like
 }
 MIXED = "mixed"
 # The token embedding and the output head (tied or not) keep 8 bits, as GGUF files ship them
@@ -100,8 +101,8 @@ class WeightSpec:
     @property
     def base_format(self) -> WeightFormat:
         """The format of a uniform method; for "mixed", its "tq" group at 4 bits."""
-        kind, bits, group = METHODS.get(self.method, METHODS["tq4"])
-        return WeightFormat(kind, bits, group if self.group_size is None else self.group_size)
+        fmt = METHODS.get(self.method, METHODS["tq4"])
+        return fmt if self.group_size is None else dataclasses.replace(fmt, group=self.group_size)
 
 
 # ---------------------------------------------------------------- naming and walking
@@ -357,7 +358,7 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
         fmt = formats[path]
         factor = None
         if hessian is not None:
-            key = (id(hessian), fmt.kind == "tq", fmt.group_size(w.shape[0]))
+            key = (id(hessian), fmt.rotation_block, fmt.group_size(w.shape[0]))
             if key not in factors:  # one factorisation per stage and basis
                 factors.clear()
                 factors[key] = hessian_factor(hessian, fmt, spec.seed, spec.damp)

@@ -6,9 +6,10 @@ int8/int4 baselines: for input row i in group g = i // group and output column j
     W[i, j] ≈ scale[g, j] * lut[code[i, j]] + offset[g, j]        (offset only for affine int4)
 
 and, when `rotation` is set, W is stored for the *rotated* input: x @ W ≈ rot(x) @ Ŵ, where rot
-applies the same randomized Hadamard to every group of `group` input features. Codes are packed
-along the input axis with `tqjax.quant.packing` (a group of 8 rows of 3-bit codes fills 3 bytes).
-The input dim is zero-padded up to a multiple of `group` (`in_features` keeps the true size).
+applies the same randomized Hadamard to every block of `rotation.dim` input features (the group
+for "tq"). Codes are packed along the input axis with `tqjax.quant.packing` (a group of 8 rows of
+3-bit codes fills 3 bytes). The input dim is zero-padded up to a multiple of `group` (and of the
+rotation block); `in_features` keeps the true size.
 
 Quantizers (`quantize_linear`) produce this format for a `WeightFormat`:
 - "tq": TurboQuant. Rows are rotated per group by the shared randomized Hadamard
@@ -18,6 +19,9 @@ Quantizers (`quantize_linear`) produce this format for a `WeightFormat`:
 - "sym": integer levels −2^(b−1)..2^(b−1)−1, scale = the group's signed absmax / −2^(b−1)
   (llama.cpp's Q4_0 rule; int8 with group 0 is per-output-channel absmax).
 - "affine": levels 0..2^b−1, scale = (max − min)/(2^b − 1), offset = min (Q4_1).
+"sym" and "affine" can also be stored in TurboQuant's rotated basis (`WeightFormat.rotation`):
+"int8-rot" is per-channel int8 over the 64-row Hadamard blocks, which spreads outlier weights
+before the per-channel absmax is taken.
 With a Hessian H = Σ x xᵀ of the layer's inputs (calibration text), codes are chosen by GPTQ
 (Frantar et al. 2022) in the stored (rotated) basis: rows are quantized in order and each row's
 error, weighted by the inverse Hessian's Cholesky factor, is pushed onto the rows not yet
@@ -57,7 +61,7 @@ class QuantizedLinear:
     scale: jax.Array  # [K_pad / group, N] f16
     lut: jax.Array  # [2^bits] f32 code -> value (codebook centroids, or integer levels)
     offset: jax.Array | None = None  # [K_pad / group, N] f16, affine formats only
-    rotation: Rotation | None = None  # per-group input rotation (TurboQuant), dim == group
+    rotation: Rotation | None = None  # input rotation per block of rotation.dim rows (| group)
     bits: int = struct.field(pytree_node=False, default=4)
     group: int = struct.field(pytree_node=False, default=64)
     in_features: int = struct.field(pytree_node=False, default=0)
@@ -78,8 +82,8 @@ def rotate_input(x: jax.Array, w: QuantizedLinear) -> jax.Array:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     if w.rotation is None:
         return x
-    xg = x.reshape(*x.shape[:-1], w.padded_in // w.group, w.group)
-    return rotate(xg, w.rotation).reshape(x.shape)
+    b = w.rotation.dim
+    return rotate(x.reshape(*x.shape[:-1], w.padded_in // b, b), w.rotation).reshape(x.shape)
 
 
 def dequantize_weight(w: QuantizedLinear) -> jax.Array:
@@ -120,7 +124,7 @@ def gather_columns(w: QuantizedLinear, ids: jax.Array) -> jax.Array:
     if w.offset is not None:
         values = values + w.offset.T[ids].astype(jnp.float32)[..., None]
     if w.rotation is not None:
-        values = unrotate(values, w.rotation)
+        values = unrotate(values.reshape(*ids.shape, -1, w.rotation.dim), w.rotation)
     return values.reshape(*ids.shape, -1)[..., : w.in_features]
 
 
@@ -136,11 +140,14 @@ def effective_weight(w: QuantizedLinear) -> jax.Array:
 class WeightFormat:
     """How one linear is quantized: `kind` in KINDS (see the module docstring), `bits` per weight
     (1..8), `group` input rows per scale (a multiple of 8; 0 = the whole input dim, "sym" and
-    "affine" only; "tq" needs a power of two for the Hadamard rotation)."""
+    "affine" only; "tq" needs a power of two for the Hadamard rotation), `rotation` rows per
+    Hadamard block for "sym"/"affine" (a power of two dividing a nonzero group; 0 = unrotated;
+    "tq" always rotates by its group)."""
 
     kind: str
     bits: int
     group: int
+    rotation: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -153,14 +160,26 @@ class WeightFormat:
             raise TqjaxError(f"{self.kind} group size must be {need}, got {g!r}")
         if self.kind == "tq" and g == 0:
             raise TqjaxError("tq needs a group size (a power of two >= 8), not 0")
+        r = self.rotation
+        if r and (self.kind == "tq" or r < 8 or r & (r - 1) or (g and g % r)):
+            raise TqjaxError(f"a {self.kind} rotation block must be a power of two >= 8 dividing "
+                             f"the group ({g}), for sym/affine only; got {r!r}")
 
     @property
     def name(self) -> str:
-        """Short label, e.g. "tq4g64", "sym8" (per channel), "affine4g32"."""
-        return f"{self.kind}{self.bits}" + (f"g{self.group}" if self.group else "")
+        """Short label, e.g. "tq4g64", "sym8" (per channel), "sym8r64", "affine4g32"."""
+        return (f"{self.kind}{self.bits}" + (f"g{self.group}" if self.group else "")
+                + (f"r{self.rotation}" if self.rotation else ""))
+
+    @property
+    def rotation_block(self) -> int:
+        """Input rows per Hadamard block of the stored basis (0 = unrotated)."""
+        return self.group if self.kind == "tq" else self.rotation
 
     def group_size(self, in_features: int) -> int:
-        return self.group or in_features
+        """Input rows per scale (a per-channel group covers the rotation-padded input)."""
+        r = self.rotation_block or 1
+        return self.group or -(-in_features // r) * r
 
     def padded_in(self, in_features: int) -> int:
         g = self.group_size(in_features)
@@ -187,9 +206,9 @@ def format_lut(fmt: WeightFormat) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=16)
-def format_rotation(group: int, seed: int) -> Rotation:
-    """The rotation shared by every "tq" tensor with this group size and seed."""
-    return make_rotation(group, seed)
+def format_rotation(block: int, seed: int) -> Rotation:
+    """The rotation shared by every rotated tensor with this block size and seed."""
+    return make_rotation(block, seed)
 
 
 # ---------------------------------------------------------------- quantizing
@@ -279,7 +298,7 @@ class HessianFactor:
     importance: jax.Array  # [K_pad] f32 diagonal of H + λI (weights of the scale search)
     dead: jax.Array  # [K_pad] bool: inputs that are always zero (their weights are dropped)
     group: int = struct.field(pytree_node=False, default=64)
-    rotated: bool = struct.field(pytree_node=False, default=False)
+    rotation: int = struct.field(pytree_node=False, default=0)  # the basis' Hadamard block
 
 
 @jax.jit
@@ -305,7 +324,7 @@ def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
         raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
     hr = to_stored_basis(to_stored_basis(hessian, fmt, seed).T, fmt, seed)
     upper, importance, dead = _factor(hr, damp)
-    return HessianFactor(upper, importance, dead, fmt.group_size(k), fmt.kind == "tq")
+    return HessianFactor(upper, importance, dead, fmt.group_size(k), fmt.rotation_block)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -344,15 +363,15 @@ def _gptq(w: jax.Array, factor: HessianFactor, lut: jax.Array,
 
 def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array:
     """Rows of x f32 [K, ...] (K = in_features) zero-padded to the format's padded input dim
-    and, for "tq", rotated per group: the basis the codes live in."""
+    and rotated per block of `fmt.rotation_block` rows: the basis the codes live in."""
     k = x.shape[0]
     kp = fmt.padded_in(k)
     x = jnp.pad(x.astype(jnp.float32), [(0, kp - k)] + [(0, 0)] * (x.ndim - 1))
-    if fmt.kind != "tq":
+    b = fmt.rotation_block
+    if not b:
         return x
-    g = fmt.group
     xt = jnp.moveaxis(x, 0, -1)
-    xt = rotate(xt.reshape(*xt.shape[:-1], kp // g, g), format_rotation(g, seed))
+    xt = rotate(xt.reshape(*xt.shape[:-1], kp // b, b), format_rotation(b, seed))
     return jnp.moveaxis(xt.reshape(*xt.shape[:-2], kp), -1, 0)
 
 
@@ -362,7 +381,7 @@ def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
 
     Without `hessian`: round to nearest with the format's scale rule ("tq": MSE-searched scale).
     With a `hessian_factor` of this layer's inputs (same format basis): GPTQ, "tq" scales
-    weighted by the Hessian diagonal. `seed` picks the shared rotation ("tq" only).
+    weighted by the Hessian diagonal. `seed` picks the shared rotation (rotated formats).
     """
     if w.ndim != 2:
         raise TqjaxError(f"quantize_linear needs a 2-D [in, out] weight, got shape {w.shape}")
@@ -375,8 +394,8 @@ def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
     if hessian is None:
         codes, scale, offset = _round_to_nearest(wr, jnp.ones(wr.shape[0]), lut, fmt.kind, g)
     else:
-        if (hessian.upper.shape[0], hessian.group, hessian.rotated) != (
-                wr.shape[0], g, fmt.kind == "tq"):
+        if (hessian.upper.shape[0], hessian.group, hessian.rotation) != (
+                wr.shape[0], g, fmt.rotation_block):
             raise TqjaxError(f"the Hessian factor was prepared for another basis than {fmt.name} "
                              f"with {k} inputs")
         codes, scale, offset = _gptq(wr, hessian, lut, fmt.kind)
@@ -385,7 +404,7 @@ def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
         scale=scale.astype(SCALE_DTYPE),
         lut=lut,
         offset=None if offset is None else offset.astype(SCALE_DTYPE),
-        rotation=format_rotation(g, seed) if fmt.kind == "tq" else None,
+        rotation=format_rotation(fmt.rotation_block, seed) if fmt.rotation_block else None,
         bits=fmt.bits,
         group=g,
         in_features=k,
