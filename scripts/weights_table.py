@@ -70,6 +70,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--calibration-windows", type=int, default=8)
     p.add_argument("--calibration-length", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0,
+                   help="rotation seed of the quantized runs (a different quantization noise)")
     p.add_argument("--checkpoint-run", default="tq4",
                    help="run saved as a quantized checkpoint to time its load and size")
     p.add_argument("--out", type=Path, default=Path("weights_table.json"))
@@ -120,7 +122,7 @@ def main() -> int:
         variants = {"f32": (model, tqjax.CacheSpec())}
         for run in runs:
             method, bpw, calibrated, embeddings = RUNS[run]
-            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings)
+            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed)
             t0 = time.perf_counter()
             params = quantize_params(model.params, model.config, spec,
                                      windows if calibrated else None, progress=True)
