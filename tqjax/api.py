@@ -78,9 +78,9 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
          quantize_embeddings: bool = False) -> Model:
     """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory, .gguf file or
     quantized checkpoint directory. `weights` ("tq8", "tq4", "tq3", "mixed" with `bpw`, "int8",
-    "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short built-in
-    calibration text; `scripts/quantize.py` saves the result instead); `quantize_embeddings`
-    quantizes the embedding table and an untied head too, in 8 bits."""
+    "int8-rot", "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short
+    built-in calibration text; `scripts/quantize.py` saves the result instead);
+    `quantize_embeddings` quantizes the embedding table and an untied head too, in 8 bits."""
     if weights is None and (bpw is not None or quantize_embeddings):
         raise TqjaxError("a bpw target and quantized embeddings go with a weights method "
                          "(e.g. --weights tq4)")
