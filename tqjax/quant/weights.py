@@ -75,6 +75,12 @@ class QuantizedLinear:
         return self.packed.shape[0] * 8 // self.bits
 
 
+def _per_block(fn: Any, x: jax.Array, rot: Rotation) -> jax.Array:
+    """`rotate` or `unrotate` on each block of rot.dim along x's last axis [..., K_pad]."""
+    b = rot.dim
+    return fn(x.reshape(*x.shape[:-1], x.shape[-1] // b, b), rot).reshape(x.shape)
+
+
 def rotate_input(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     """Zero-pad x [..., in] to the padded input dim and rotate each group (if w is rotated)."""
     pad = w.padded_in - x.shape[-1]
@@ -82,8 +88,7 @@ def rotate_input(x: jax.Array, w: QuantizedLinear) -> jax.Array:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     if w.rotation is None:
         return x
-    b = w.rotation.dim
-    return rotate(x.reshape(*x.shape[:-1], w.padded_in // b, b), w.rotation).reshape(x.shape)
+    return _per_block(rotate, x, w.rotation)
 
 
 def dequantize_weight(w: QuantizedLinear) -> jax.Array:
@@ -123,9 +128,10 @@ def gather_columns(w: QuantizedLinear, ids: jax.Array) -> jax.Array:
     values = values * w.scale.T[ids].astype(jnp.float32)[..., None]
     if w.offset is not None:
         values = values + w.offset.T[ids].astype(jnp.float32)[..., None]
+    values = values.reshape(*ids.shape, -1)
     if w.rotation is not None:
-        values = unrotate(values.reshape(*ids.shape, -1, w.rotation.dim), w.rotation)
-    return values.reshape(*ids.shape, -1)[..., : w.in_features]
+        values = _per_block(unrotate, values, w.rotation)
+    return values[..., : w.in_features]
 
 
 def effective_weight(w: QuantizedLinear) -> jax.Array:
@@ -370,9 +376,7 @@ def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array
     b = fmt.rotation_block
     if not b:
         return x
-    xt = jnp.moveaxis(x, 0, -1)
-    xt = rotate(xt.reshape(*xt.shape[:-1], kp // b, b), format_rotation(b, seed))
-    return jnp.moveaxis(xt.reshape(*xt.shape[:-2], kp), -1, 0)
+    return jnp.moveaxis(_per_block(rotate, jnp.moveaxis(x, 0, -1), format_rotation(b, seed)), -1, 0)
 
 
 def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
