@@ -70,6 +70,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--calibration-windows", type=int, default=8)
     p.add_argument("--calibration-length", type=int, default=1024)
+    p.add_argument("--calibration-chars", type=int, default=None,
+                   help="characters per part (prose, code) of the calibration corpus "
+                        "(default: CALIBRATION_CHARS)")
     p.add_argument("--seed", type=int, default=0,
                    help="rotation seed of the quantized runs (a different quantization noise)")
     p.add_argument("--checkpoint-run", default="tq4",
@@ -87,6 +90,7 @@ def main() -> int:
     from tqjax.kv.cache import check_spec
     from tqjax.models.checkpoint import save_quantized
     from tqjax.models.quantize import (
+        CALIBRATION_CHARS,
         WeightSpec,
         calibration_corpus,
         calibration_windows,
@@ -117,7 +121,8 @@ def main() -> int:
         info: dict = {"source": model.source, "load_seconds": time.perf_counter() - t0,
                       "f32": params_bits(model.params), "runs": {}}
         report["models"][name] = info
-        windows = calibration_windows(model.tokenizer, calibration_corpus(),
+        corpus = calibration_corpus(args.calibration_chars or CALIBRATION_CHARS)
+        windows = calibration_windows(model.tokenizer, corpus,
                                       args.calibration_windows, args.calibration_length)
         variants = {"f32": (model, tqjax.CacheSpec())}
         for run in runs:
