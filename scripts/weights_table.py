@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--calibration-length", type=int, default=1024)
     p.add_argument("--calibration-chars", type=int, default=None,
                    help="characters per part (prose, code) of the calibration corpus "
-                        "(default: CALIBRATION_CHARS)")
+                        "(default: tqjax.models.quantize.CALIBRATION_CHARS)")
     p.add_argument("--seed", type=int, default=0,
                    help="rotation seed of the quantized runs (a different quantization noise)")
     p.add_argument("--checkpoint-run", default="tq4",
@@ -90,7 +90,6 @@ def main() -> int:
     from tqjax.kv.cache import check_spec
     from tqjax.models.checkpoint import save_quantized
     from tqjax.models.quantize import (
-        CALIBRATION_CHARS,
         WeightSpec,
         calibration_corpus,
         calibration_windows,
@@ -100,6 +99,8 @@ def main() -> int:
         quantize_params,
     )
 
+    if args.calibration_chars is not None and args.calibration_chars < 1:
+        raise tqjax.TqjaxError(f"--calibration-chars must be >= 1, got {args.calibration_chars}")
     runs = [r for r in args.runs.split(",") if r]
     for r in runs:
         if r not in RUNS:
@@ -121,7 +122,8 @@ def main() -> int:
         info: dict = {"source": model.source, "load_seconds": time.perf_counter() - t0,
                       "f32": params_bits(model.params), "runs": {}}
         report["models"][name] = info
-        corpus = calibration_corpus(args.calibration_chars or CALIBRATION_CHARS)
+        corpus = (calibration_corpus() if args.calibration_chars is None
+                  else calibration_corpus(args.calibration_chars))
         windows = calibration_windows(model.tokenizer, corpus,
                                       args.calibration_windows, args.calibration_length)
         variants = {"f32": (model, tqjax.CacheSpec())}
