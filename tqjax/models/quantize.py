@@ -352,17 +352,18 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     formats = weight_formats(params, config, spec, paths, windows)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
-    factors: dict[Any, HessianFactor] = {}
+    # one factorisation per stage and basis; the entry holds its Hessian so the id stays unique
+    factors: dict[Any, tuple[jax.Array, HessianFactor]] = {}
 
     def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
         fmt = formats[path]
         factor = None
         if hessian is not None:
             key = (id(hessian), fmt.rotation_block, fmt.group_size(w.shape[0]))
-            if key not in factors:  # one factorisation per stage and basis
+            if key not in factors:
                 factors.clear()
-                factors[key] = hessian_factor(hessian, fmt, spec.seed, spec.damp)
-            factor = factors[key]
+                factors[key] = hessian, hessian_factor(hessian, fmt, spec.seed, spec.damp)
+            factor = factors[key][1]
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
