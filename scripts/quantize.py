@@ -19,7 +19,7 @@ CALIBRATION_HELP = ("calibration text for GPTQ and mixed-precision sensitivities
 
 def parse_args(argv: list[str] | None = None) -> object:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
-    from tqjax.models.quantize import METHODS, MIXED
+    from tqjax.models.quantize import CALIBRATION_WINDOWS, METHODS, MIXED
 
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> object:
                    help="also quantize the token embedding and an untied output head (8-bit "
                         "TurboQuant): far less memory for large-vocabulary models")
     p.add_argument("--calibration", default="default", help=CALIBRATION_HELP)
-    p.add_argument("--calibration-windows", type=int, default=8, help="windows of calibration text")
+    p.add_argument("--calibration-windows", type=int, default=CALIBRATION_WINDOWS,
+                   help=f"windows of calibration text (default {CALIBRATION_WINDOWS})")
     p.add_argument("--calibration-length", type=int, default=1024, help="tokens per window")
     p.add_argument("--dense-dtype", default="float16", choices=["float32", "bfloat16", "float16"],
                    help="storage dtype of the tensors kept dense (embedding, norms, biases)")

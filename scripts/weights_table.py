@@ -60,6 +60,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> int:
+    from tqjax.models.quantize import CALIBRATION_WINDOWS
+
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     p.add_argument("--texts", default="shakespeare:macbeth,python-stdlib")
@@ -68,7 +70,7 @@ def main() -> int:
                    help="compressed KV cache combined with f32 and tq4 weights ('' = none)")
     p.add_argument("--ctx-size", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--calibration-windows", type=int, default=8)
+    p.add_argument("--calibration-windows", type=int, default=CALIBRATION_WINDOWS)
     p.add_argument("--calibration-length", type=int, default=1024)
     p.add_argument("--calibration-chars", type=int, default=None,
                    help="characters per part (prose, code) of the calibration corpus "

@@ -15,10 +15,14 @@ from tqjax.errors import TqjaxError
 from tqjax.fetch import PYTHON_STDLIB_MODULES
 from tqjax.models import checkpoint as ckpt
 from tqjax.models.quantize import (
+    CALIBRATION_CHARS,
     CALIBRATION_MODULES,
+    CALIBRATION_WINDOWS,
     EMBEDDING_FORMAT,
     WeightSpec,
+    calibration_corpus,
     calibration_source,
+    calibration_windows,
     fisher_sensitivity,
     get_path,
     linear_paths,
@@ -270,6 +274,17 @@ def test_calibration_text_is_not_evaluation_text():
     assert calibration_source("builtin") == calibration_text()
     with pytest.raises(TqjaxError, match="corpus"):
         calibration_source("wikipedia")
+
+
+def test_default_calibration_fills_its_windows():
+    """Both parts of the default corpus are long enough, and it holds CALIBRATION_WINDOWS
+    distinct windows of 1024 tokens (SmolLM2's tokenizer)."""
+    corpus = calibration_corpus()
+    assert len(corpus) == 2 * CALIBRATION_CHARS + 1
+    tok = tqjax.load("smollm2-135m-instruct").tokenizer
+    windows = calibration_windows(tok, corpus, CALIBRATION_WINDOWS, 1024)
+    assert windows.shape == (CALIBRATION_WINDOWS, 1024)
+    assert len({w.tobytes() for w in windows}) == CALIBRATION_WINDOWS
 
 
 # ---------------------------------------------------------------- checkpoints

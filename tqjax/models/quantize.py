@@ -216,7 +216,8 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
 # Standard-library modules used as calibration code: disjoint from `fetch.PYTHON_STDLIB_MODULES`
 # (the evaluation text), checked in tests.
 CALIBRATION_MODULES = ("textwrap.py", "heapq.py", "shutil.py", "tarfile.py", "ast.py")
-CALIBRATION_CHARS = 40_000  # per part (prose, code)
+CALIBRATION_CHARS = 160_000  # per part (prose, code): room for 32 windows of 1024 tokens
+CALIBRATION_WINDOWS = 32  # windows of 1024 tokens for saved checkpoints (scripts/quantize.py)
 
 
 def calibration_corpus(chars: int = CALIBRATION_CHARS) -> str:
