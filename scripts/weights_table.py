@@ -60,7 +60,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    from tqjax.models.quantize import CALIBRATION_WINDOWS
+    from tqjax.models.quantize import CALIBRATION_CHARS, CALIBRATION_WINDOWS
 
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
@@ -72,9 +72,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--calibration-windows", type=int, default=CALIBRATION_WINDOWS)
     p.add_argument("--calibration-length", type=int, default=1024)
-    p.add_argument("--calibration-chars", type=int, default=None,
-                   help="characters per part (prose, code) of the calibration corpus "
-                        "(default: tqjax.models.quantize.CALIBRATION_CHARS)")
+    p.add_argument("--calibration-chars", type=int, default=CALIBRATION_CHARS,
+                   help="characters per part (prose, code) of the calibration corpus")
     p.add_argument("--seed", type=int, default=0,
                    help="rotation seed of the quantized runs (a different quantization noise)")
     p.add_argument("--checkpoint-run", default="tq4",
@@ -101,7 +100,7 @@ def main() -> int:
         quantize_params,
     )
 
-    if args.calibration_chars is not None and args.calibration_chars < 1:
+    if args.calibration_chars < 1:
         raise tqjax.TqjaxError(f"--calibration-chars must be >= 1, got {args.calibration_chars}")
     runs = [r for r in args.runs.split(",") if r]
     for r in runs:
@@ -124,9 +123,7 @@ def main() -> int:
         info: dict = {"source": model.source, "load_seconds": time.perf_counter() - t0,
                       "f32": params_bits(model.params), "runs": {}}
         report["models"][name] = info
-        corpus = (calibration_corpus() if args.calibration_chars is None
-                  else calibration_corpus(args.calibration_chars))
-        windows = calibration_windows(model.tokenizer, corpus,
+        windows = calibration_windows(model.tokenizer, calibration_corpus(args.calibration_chars),
                                       args.calibration_windows, args.calibration_length)
         variants = {"f32": (model, tqjax.CacheSpec())}
         for run in runs:

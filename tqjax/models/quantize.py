@@ -39,7 +39,6 @@ from tqjax.models.transformer import (
 )
 from tqjax.quant.mixed import allocate
 from tqjax.quant.weights import (
-    HessianFactor,
     QuantizedLinear,
     WeightFormat,
     hessian_factor,
@@ -353,18 +352,16 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     formats = weight_formats(params, config, spec, paths, windows)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
-    # one factorisation per stage and basis; the entry holds its Hessian so the id stays unique
-    factors: dict[Any, tuple[jax.Array, HessianFactor]] = {}
+    last: list[Any] = [None, None, None]  # [Gram, basis, factor]: one per stage and basis
 
     def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
         fmt = formats[path]
         factor = None
         if hessian is not None:
-            key = (id(hessian), fmt.rotation_block, fmt.group_size(w.shape[0]))
-            if key not in factors:
-                factors.clear()
-                factors[key] = hessian, hessian_factor(hessian, fmt, spec.seed, spec.damp)
-            factor = factors[key][1]
+            basis = (fmt.rotation_block, fmt.group_size(w.shape[0]))
+            if last[0] is not hessian or last[1] != basis:
+                last[:] = hessian, basis, hessian_factor(hessian, fmt, spec.seed, spec.damp)
+            factor = last[2]
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
