@@ -63,6 +63,7 @@ MIXED = "mixed"
 # cost of tq4 (+14.9% vs +7.6% on Macbeth).
 EMBEDDING_FORMAT = WeightFormat("tq", 8, 64)
 FISHER_TOKENS = 256  # tokens of each calibration window used for Fisher sensitivities
+FISHER_WINDOWS = 32  # at most this many calibration windows (spread evenly) for Fisher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +163,19 @@ _gated = jax.jit(gated_activation)
 _embed = jax.jit(embed_tokens)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _add_gram(h: jax.Array, a: jax.Array) -> jax.Array:
+    rows = a.reshape(-1, a.shape[-1]).astype(jnp.float32)
+    return h + rows.T @ rows
+
+
 def _gram(acts: list[jax.Array]) -> jax.Array:
-    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K]."""
-    return sum(a.reshape(-1, a.shape[-1]).astype(jnp.float32).T
-               @ a.reshape(-1, a.shape[-1]).astype(jnp.float32) for a in acts)
+    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K], one activation at a
+    time (one jitted sum over all of them would hold a [K, K] product per activation)."""
+    h = jnp.zeros((acts[0].shape[-1],) * 2, jnp.float32)
+    for a in acts:
+        h = _add_gram(h, a)
+    return h
 
 
 Quantizer = Callable[[str, Any, jax.Array], Any]
@@ -214,7 +223,8 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
 
 # Standard-library modules used as calibration code: disjoint from `fetch.PYTHON_STDLIB_MODULES`
 # (the evaluation text), checked in tests.
-CALIBRATION_MODULES = ("textwrap.py", "heapq.py", "shutil.py", "tarfile.py", "ast.py")
+CALIBRATION_MODULES = ("textwrap.py", "heapq.py", "shutil.py", "tarfile.py", "ast.py", "difflib.py",
+                       "enum.py")
 CALIBRATION_CHARS = 160_000  # per part (prose, code): room for 32 windows of 1024 tokens
 CALIBRATION_WINDOWS = 32  # windows of 1024 tokens for saved checkpoints (scripts/quantize.py)
 
@@ -317,7 +327,8 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
     if windows is None:
         sensitivity = dict.fromkeys(paths, 1.0)
     else:  # shorter windows bound the memory of the backward pass (logits of a big vocab)
-        sensitivity = fisher_sensitivity(params, config, paths, windows[:, :FISHER_TOKENS],
+        pick = np.linspace(0, len(windows) - 1, min(len(windows), FISHER_WINDOWS)).astype(int)
+        sensitivity = fisher_sensitivity(params, config, paths, windows[pick, :FISHER_TOKENS],
                                          fmt.group, spec.seed)
     return allocate(shapes, sensitivity, spec.bpw, fmt.group) | head
 
