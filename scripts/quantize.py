@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> object:
     p.add_argument("--dense-dtype", default="float16", choices=["float32", "bfloat16", "float16"],
                    help="storage dtype of the tensors kept dense (embedding, norms, biases)")
     p.add_argument("--seed", type=int, default=0, help="rotation seed")
+    p.add_argument("--float-targets", action="store_true",
+                   help="GPTQ aims each layer at the unquantized model's output, compensating the "
+                        "layers before it (helps SmolLM2, hurts Qwen2.5-Coder: measure)")
     p.add_argument("--json", action="store_true", help="print one JSON line at the end")
     return p.parse_args(argv)
 
@@ -62,7 +65,8 @@ def main() -> int:
     )
 
     spec = WeightSpec(args.weights, bpw=args.bpw, group_size=args.group_size,
-                      quantize_embeddings=args.quantize_embeddings, seed=args.seed)
+                      quantize_embeddings=args.quantize_embeddings, seed=args.seed,
+                      float_targets=args.float_targets)
     if args.calibration_windows < 1 or args.calibration_length < 2:
         raise tqjax.TqjaxError("--calibration-windows must be >= 1 and --calibration-length >= 2")
     t0 = time.perf_counter()

@@ -76,6 +76,8 @@ def main() -> int:
                    help="characters per part (prose, code) of the calibration corpus")
     p.add_argument("--seed", type=int, default=0,
                    help="rotation seed of the quantized runs (a different quantization noise)")
+    p.add_argument("--float-targets", action="store_true",
+                   help="GPTQ against the unquantized model's outputs (WeightSpec.float_targets)")
     p.add_argument("--checkpoint-run", default="tq4",
                    help="run saved as a quantized checkpoint to time its load and size")
     p.add_argument("--out", type=Path, default=Path("weights_table.json"))
@@ -128,7 +130,8 @@ def main() -> int:
         variants = {"f32": (model, tqjax.CacheSpec())}
         for run in runs:
             method, bpw, calibrated, embeddings = RUNS[run]
-            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed)
+            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed,
+                              float_targets=args.float_targets)
             t0 = time.perf_counter()
             params = quantize_params(model.params, model.config, spec,
                                      windows if calibrated else None, progress=True)

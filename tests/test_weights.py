@@ -23,7 +23,9 @@ from tqjax.models.quantize import (
     calibration_corpus,
     calibration_source,
     calibration_windows,
+    cross_drift,
     fisher_sensitivity,
+    float_target,
     get_path,
     linear_paths,
     params_bits,
@@ -201,6 +203,47 @@ def test_sequential_stages_reproduce_forward(tiny):
                       cache)
     got = hidden[1] @ tiny.params.lm_head
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_float_target_is_the_ridge_least_squares_weight():
+    rng = np.random.default_rng(0)
+    xf = rng.normal(size=(2, 96, 16)).astype(np.float32)  # two windows of float-model inputs
+    xq = xf + 0.2 * rng.normal(size=xf.shape).astype(np.float32)  # the drifted inputs
+    rf, rq = (rng.normal(size=(2, 96, 8)).astype(np.float32) for _ in range(2))  # streams
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    acts, refs = [jnp.asarray(a) for a in xq], [jnp.asarray(a) for a in xf]
+    h = jnp.asarray(np.einsum("wtk,wtj->kj", xq, xq))
+    drift = cross_drift(acts, refs, acts)
+    residual = cross_drift(acts, [jnp.asarray(r) for r in rf], [jnp.asarray(r) for r in rq])
+    x2 = xq.reshape(-1, 16)
+    want = np.linalg.lstsq(x2, xf.reshape(-1, 16) @ w + (rf - rq).reshape(-1, 8), rcond=None)[0]
+    got = float_target(jnp.asarray(w), h, drift, residual, 0.0)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+    def miss(v):  # how far the drifted inputs land from the float outputs
+        return float(np.sum((xf.reshape(-1, 16) @ w - x2 @ np.asarray(v)) ** 2))
+
+    best = np.linalg.lstsq(x2, xf.reshape(-1, 16) @ w, rcond=None)[0]
+    ridge = float_target(jnp.asarray(w), h, drift, None, 0.01)
+    assert miss(best) <= miss(ridge) < min(1.01 * miss(best), 0.95 * miss(w))
+    np.testing.assert_allclose(float_target(jnp.asarray(w), h, 0 * drift, None, 0.01), w)
+
+
+def test_float_targets_compensate_an_earlier_layers_error(tiny):
+    windows = np.random.default_rng(1).integers(0, 256, (4, 48)).astype(np.int32)
+    noise = jax.random.normal(jax.random.PRNGKey(0), tiny.params.layers[0].w_down.shape)
+
+    def perturb_first(path, w, h):  # only layer 0's down_proj is damaged; the rest is exact
+        return w + 0.3 * jnp.std(w) * noise if path == "layers.0.w_down" else w
+
+    _, exact = run_sequential(tiny.params, tiny.config, windows, lambda p, w, h: w, True)
+    errors = {}
+    for damp in (None, 0.01):
+        _, hidden = run_sequential(tiny.params, tiny.config, windows, perturb_first, True, damp)
+        errors[damp] = rel_err(jnp.concatenate(hidden), jnp.concatenate(exact))
+    assert errors[0.01] < 0.5 * errors[None]
+    _, same = run_sequential(tiny.params, tiny.config, windows, lambda p, w, h: w, True, 0.01)
+    np.testing.assert_allclose(jnp.concatenate(same), jnp.concatenate(exact), atol=1e-5)
 
 
 @pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int8-rot", 0.03), ("int4", 0.35),

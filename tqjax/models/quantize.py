@@ -76,7 +76,9 @@ class WeightSpec:
     quantize_embeddings: also quantize the token embedding (`EMBEDDING_FORMAT`, round to
       nearest, stored as embedᵀ so a tied head reads the same codes) and an untied output head
       (`EMBEDDING_FORMAT`, GPTQ when calibrated; outside the mixed allocation).
-      seed: rotation seed. damp: GPTQ relative dampening.
+      seed: rotation seed. damp: GPTQ relative dampening. float_targets: GPTQ aims every
+      layer at the unquantized model's output (`run_sequential`), so each layer compensates
+      the error of the ones before it (off by default: better on SmolLM2, worse on Qwen2.5).
     """
 
     method: str = "tq4"
@@ -85,6 +87,7 @@ class WeightSpec:
     quantize_embeddings: bool = False
     seed: int = 0
     damp: float = 0.01
+    float_targets: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in (*METHODS, MIXED):
@@ -181,41 +184,107 @@ def _gram(acts: list[jax.Array]) -> jax.Array:
 Quantizer = Callable[[str, Any, jax.Array], Any]
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _add_cross(c: jax.Array, a: jax.Array, ref: jax.Array, base: jax.Array) -> jax.Array:
+    rows = a.reshape(-1, a.shape[-1]).astype(jnp.float32)
+    return c + rows.T @ (ref - base).reshape(rows.shape[0], -1).astype(jnp.float32)
+
+
+def cross_drift(acts: list[jax.Array], refs: list[jax.Array],
+                bases: list[jax.Array]) -> jax.Array:
+    """Σ aᵀ(ref − base) over every row of every window: acts [..., K], refs/bases [..., M]
+    -> f32 [K, M], one window at a time (like `_gram`)."""
+    c = jnp.zeros((acts[0].shape[-1], refs[0].shape[-1]), jnp.float32)
+    for a, r, b in zip(acts, refs, bases, strict=True):
+        c = _add_cross(c, a, r, b)
+    return c
+
+
+@jax.jit
+def float_target(w: jax.Array, hessian: jax.Array, drift: jax.Array,
+                 residual: jax.Array | None, damp: float) -> jax.Array:
+    """The weight [K, N] that best maps a layer's inputs x in the partly quantized model to its
+    output in the unquantized one, x_f·w (+ the residual stream's drift r_f − r, for a layer
+    that writes the stream): the ridge least squares w + (H + λI)⁻¹ (C·w + R), with
+    H = Σ xᵀx, C = Σ xᵀ(x_f − x) [K, K], R = Σ xᵀ(r_f − r) [K, N] and λ = damp·mean(diag H)
+    (GPTQ's dampening, which also keeps the correction small where x carries little signal).
+    """
+    k = hessian.shape[0]
+    h = hessian + (damp * jnp.mean(jnp.diag(hessian)) + 1e-12) * jnp.eye(k)
+    rhs = drift @ w.astype(jnp.float32)
+    if residual is not None:
+        rhs = rhs + residual
+    return w + jax.scipy.linalg.solve(h, rhs, assume_a="pos")
+
+
 def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, quantize: Quantizer,
-                   head: bool) -> tuple[Params, list[jax.Array]]:
+                   head: bool, float_targets: float | None = None
+                   ) -> tuple[Params, list[jax.Array]]:
     """Replace linears in model order, each seeing inputs from the already-replaced ones.
 
     windows int32 [W, T] (calibration tokens, each window from position 0). For every linear,
     quantize(path, weight, H) returns its replacement, H = Σ x xᵀ f32 [in, in] over the inputs
     the layer gets in the partly quantized model (the blocks of
     `transformer.forward`, run in stages). `head` also replaces the untied output head.
+
+    float_targets (GPTQ's dampening, or None for the layer's own weight): the unquantized
+    model runs alongside, and the weight handed to `quantize` is its `float_target`: the one
+    that maps the partly quantized model's inputs to the unquantized model's outputs, o_proj
+    and down_proj also cancelling the residual stream's drift. Each layer then compensates
+    the error of the layers before it instead of inheriting it (asymmetric calibration, as in
+    GPTAQ, Li et al. 2025).
     Returns the new params and the final-normed hidden states (one [1, T, D] per window).
     """
     x = [_embed(params.embed, jnp.asarray(w, jnp.int32)[None]) for w in windows]
+    xf = list(x) if float_targets is not None else None  # the unquantized model's stream
     inv_freq, eps = params.rope_inv_freq, config.rms_eps
 
-    def stage(lp: LayerParams, i: int, fields: tuple[str, ...],
-              acts: list[jax.Array]) -> LayerParams:
+    def stage(lp: LayerParams, i: int, fields: tuple[str, ...], acts: list[jax.Array],
+              refs: list[jax.Array] | None, writes_stream: bool = False) -> LayerParams:
         h = _gram(acts)
-        return lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), h) for f in fields})
+        out = {}
+        if refs is not None:
+            drift = cross_drift(acts, refs, acts)
+            residual = cross_drift(acts, xf, x) if writes_stream else None
+        for f in fields:
+            w = getattr(lp, f)
+            if refs is not None:
+                w = float_target(w, h, drift, residual, float_targets)
+            out[f] = quantize(f"layers.{i}.{f}", w, h)
+        return lp.replace(**out)
+
+    def add(xs: list[jax.Array], acts: list[jax.Array], w: Any) -> list[jax.Array]:
+        return [_add_linear(xi, a, w) for xi, a in zip(xs, acts, strict=True)]
 
     layers = []
-    for i, lp in enumerate(params.layers):
-        hn = [_norm(xi, lp.attn_norm, eps) for xi in x]
-        lp = stage(lp, i, ("wq", "wk", "wv"), hn)
+    for i, dense in enumerate(params.layers):
+        hn = [_norm(xi, dense.attn_norm, eps) for xi in x]
+        hf = None if xf is None else [_norm(xi, dense.attn_norm, eps) for xi in xf]
+        lp = stage(dense, i, ("wq", "wk", "wv"), hn, hf)
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
-        lp = stage(lp, i, ("wo",), heads)
-        x = [_add_linear(xi, a, lp.wo) for xi, a in zip(x, heads, strict=True)]
-        hn = [_norm(xi, lp.mlp_norm, eps) for xi in x]
-        lp = stage(lp, i, ("w_gate", "w_up"), hn)
+        heads_f = None if xf is None else [_heads(dense, config, h, inv_freq) for h in hf]
+        lp = stage(lp, i, ("wo",), heads, heads_f, writes_stream=True)
+        x = add(x, heads, lp.wo)
+        hn = [_norm(xi, dense.mlp_norm, eps) for xi in x]
+        if xf is not None:
+            xf = add(xf, heads_f, dense.wo)
+            hf = [_norm(xi, dense.mlp_norm, eps) for xi in xf]
+        lp = stage(lp, i, ("w_gate", "w_up"), hn, hf)
         gated = [_gated(lp, h) for h in hn]
-        lp = stage(lp, i, ("w_down",), gated)
-        x = [_add_linear(xi, g, lp.w_down) for xi, g in zip(x, gated, strict=True)]
+        gated_f = None if xf is None else [_gated(dense, h) for h in hf]
+        lp = stage(lp, i, ("w_down",), gated, gated_f, writes_stream=True)
+        x = add(x, gated, lp.w_down)
+        if xf is not None:
+            xf = add(xf, gated_f, dense.w_down)
         layers.append(lp)
     params = params.replace(layers=layers)
     hidden = [_norm(xi, params.final_norm, eps) for xi in x]
     if head and params.lm_head is not None:
-        params = params.replace(lm_head=quantize("lm_head", params.lm_head, _gram(hidden)))
+        w, h = params.lm_head, _gram(hidden)
+        if xf is not None:
+            hf = [_norm(xi, params.final_norm, eps) for xi in xf]
+            w = float_target(w, h, cross_drift(hidden, hf, hidden), None, float_targets)
+        params = params.replace(lm_head=quantize("lm_head", w, h))
     return params, hidden
 
 
@@ -381,7 +450,8 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     with bar:
         if windows is None:
             return set_paths(params, {p: quantize(p, get_path(params, p), None) for p in paths})
-        params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats)
+        params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
+                                   spec.damp if spec.float_targets else None)
     return params
 
 
