@@ -131,7 +131,7 @@ def main() -> int:
         for run in runs:
             method, bpw, calibrated, embeddings = RUNS[run]
             spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed,
-                              float_targets=args.float_targets)
+                              float_targets=args.float_targets and calibrated)
             t0 = time.perf_counter()
             params = quantize_params(model.params, model.config, spec,
                                      windows if calibrated else None, progress=True)

@@ -244,6 +244,8 @@ def test_float_targets_compensate_an_earlier_layers_error(tiny):
     assert errors[0.01] < 0.5 * errors[None]
     _, same = run_sequential(tiny.params, tiny.config, windows, lambda p, w, h: w, True, 0.01)
     np.testing.assert_allclose(jnp.concatenate(same), jnp.concatenate(exact), atol=1e-5)
+    with pytest.raises(TqjaxError, match="float targets need calibration"):
+        quantize_params(tiny.params, tiny.config, WeightSpec("tq4", float_targets=True))
 
 
 @pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int8-rot", 0.03), ("int4", 0.35),

@@ -167,37 +167,33 @@ _embed = jax.jit(embed_tokens)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _add_gram(h: jax.Array, a: jax.Array) -> jax.Array:
+def _add_outer(c: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     rows = a.reshape(-1, a.shape[-1]).astype(jnp.float32)
-    return h + rows.T @ rows
+    return c + rows.T @ b.reshape(rows.shape[0], -1).astype(jnp.float32)
+
+
+def _outer_sum(acts: list[jax.Array], others: list[jax.Array]) -> jax.Array:
+    """Σ aᵀb over every row of every window pair (a [..., K], b [..., M]) -> f32 [K, M], one
+    window at a time (one jitted sum over all of them would hold a product per window)."""
+    c = jnp.zeros((acts[0].shape[-1], others[0].shape[-1]), jnp.float32)
+    for a, b in zip(acts, others, strict=True):
+        c = _add_outer(c, a, b)
+    return c
 
 
 def _gram(acts: list[jax.Array]) -> jax.Array:
-    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K], one activation at a
-    time (one jitted sum over all of them would hold a [K, K] product per activation)."""
-    h = jnp.zeros((acts[0].shape[-1],) * 2, jnp.float32)
-    for a in acts:
-        h = _add_gram(h, a)
-    return h
+    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K]."""
+    return _outer_sum(acts, acts)
 
 
 Quantizer = Callable[[str, Any, jax.Array], Any]
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _add_cross(c: jax.Array, a: jax.Array, ref: jax.Array, base: jax.Array) -> jax.Array:
-    rows = a.reshape(-1, a.shape[-1]).astype(jnp.float32)
-    return c + rows.T @ (ref - base).reshape(rows.shape[0], -1).astype(jnp.float32)
-
-
 def cross_drift(acts: list[jax.Array], refs: list[jax.Array],
                 bases: list[jax.Array]) -> jax.Array:
     """Σ aᵀ(ref − base) over every row of every window: acts [..., K], refs/bases [..., M]
-    -> f32 [K, M], one window at a time (like `_gram`)."""
-    c = jnp.zeros((acts[0].shape[-1], refs[0].shape[-1]), jnp.float32)
-    for a, r, b in zip(acts, refs, bases, strict=True):
-        c = _add_cross(c, a, r, b)
-    return c
+    -> f32 [K, M]."""
+    return _outer_sum(acts, [r - b for r, b in zip(refs, bases, strict=True)])
 
 
 @jax.jit
@@ -239,13 +235,17 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
     xf = list(x) if float_targets is not None else None  # the unquantized model's stream
     inv_freq, eps = params.rope_inv_freq, config.rms_eps
 
+    Stream = tuple[list[jax.Array], list[jax.Array]]
+
     def stage(lp: LayerParams, i: int, fields: tuple[str, ...], acts: list[jax.Array],
-              refs: list[jax.Array] | None, writes_stream: bool = False) -> LayerParams:
+              refs: list[jax.Array] | None, stream: Stream | None = None) -> LayerParams:
+        """Quantize `fields` from their inputs `acts` (float model's: `refs`); `stream`
+        (quantized, float residual streams) for a layer that writes the stream."""
         h = _gram(acts)
         out = {}
         if refs is not None:
             drift = cross_drift(acts, refs, acts)
-            residual = cross_drift(acts, xf, x) if writes_stream else None
+            residual = None if stream is None else cross_drift(acts, stream[1], stream[0])
         for f in fields:
             w = getattr(lp, f)
             if refs is not None:
@@ -263,7 +263,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         lp = stage(dense, i, ("wq", "wk", "wv"), hn, hf)
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
         heads_f = None if xf is None else [_heads(dense, config, h, inv_freq) for h in hf]
-        lp = stage(lp, i, ("wo",), heads, heads_f, writes_stream=True)
+        lp = stage(lp, i, ("wo",), heads, heads_f, None if xf is None else (x, xf))
         x = add(x, heads, lp.wo)
         hn = [_norm(xi, dense.mlp_norm, eps) for xi in x]
         if xf is not None:
@@ -272,7 +272,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         lp = stage(lp, i, ("w_gate", "w_up"), hn, hf)
         gated = [_gated(lp, h) for h in hn]
         gated_f = None if xf is None else [_gated(dense, h) for h in hf]
-        lp = stage(lp, i, ("w_down",), gated, gated_f, writes_stream=True)
+        lp = stage(lp, i, ("w_down",), gated, gated_f, None if xf is None else (x, xf))
         x = add(x, gated, lp.w_down)
         if xf is not None:
             xf = add(xf, gated_f, dense.w_down)
@@ -428,6 +428,8 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     if any(isinstance(get_path(params, p), QuantizedLinear) for p in linear_paths(params)):
         raise TqjaxError("these params are already quantized")
     windows = _check_windows(calibration, config)
+    if spec.float_targets and windows is None:
+        raise TqjaxError("float targets need calibration text (they steer GPTQ)")
     paths = linear_paths(params, spec.quantize_embeddings)
     formats = weight_formats(params, config, spec, paths, windows)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
