@@ -31,8 +31,8 @@ def parse_args(argv: list[str] | None = None) -> object:
                    help="target bits per weight of the quantized tensors, every stored byte "
                         "counted (with --weights mixed)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="input rows per scale (default: 64 for tq/mixed, 32 for int4, "
-                        "per-channel for int8)")
+                   help="input rows per scale (default: 64 for tq, 32 for int4, per-channel "
+                        "for int8; mixed picks 64 or 128 per tensor unless this fixes one)")
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="also quantize the token embedding and an untied output head (8-bit "
                         "TurboQuant): far less memory for large-vocabulary models")

@@ -122,6 +122,8 @@ def main() -> int:
     for name in args.models.split(","):
         t0 = time.perf_counter()
         model = tqjax.load(name)
+        if model.tokenizer is None:
+            raise tqjax.TqjaxError(f"{model.source} has no tokenizer to encode the texts with")
         info: dict = {"source": model.source, "load_seconds": time.perf_counter() - t0,
                       "f32": params_bits(model.params), "runs": {}}
         report["models"][name] = info
@@ -137,8 +139,8 @@ def main() -> int:
                                      windows if calibrated else None, progress=True)
             entry = {"quantize_seconds": time.perf_counter() - t0, "memory": params_bits(params),
                      "calibration_tokens": int(windows.size) if calibrated else 0,
-                     "bits": {p: get_path(params, p).bits
-                              for p in linear_paths(params, spec.quantize_embeddings)}}
+                     "formats": {p: f"{w.bits}g{w.group}" for p in linear_paths(
+                         params, spec.quantize_embeddings) for w in [get_path(params, p)]}}
             if run == args.checkpoint_run:  # size on disk, load time vs the source file
                 with tempfile.TemporaryDirectory(dir=args.out.parent.absolute()) as tmp:
                     meta = save_quantized(Path(tmp) / "ckpt", params, model.config,

@@ -4,7 +4,7 @@ Every decoder linear (q/k/v/o, gate/up/down) becomes a `QuantizedLinear`; norms 
 dense, and so do the token embedding and output head unless `quantize_embeddings` is set.
 Data-free by default; with calibration token windows the codes are chosen by GPTQ, layer by
 layer in order, each layer seeing the inputs produced by the already-quantized layers before it
-(`run_sequential`), and the "mixed" allocator uses Fisher sensitivities.
+(`run_sequential`), and the "mixed" allocator weighs rounding errors by the Fisher information.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tqjax.models.transformer import (
     gated_activation,
     rms_norm,
 )
-from tqjax.quant.mixed import allocate
+from tqjax.quant.mixed import GROUPS, allocate, format_losses, group_sums
 from tqjax.quant.weights import (
     QuantizedLinear,
     WeightFormat,
@@ -62,7 +62,7 @@ MIXED = "mixed"
 # (Q8_0 tables, Q6_K/Q8_0 heads): at 4 bits SmolLM2's tied table alone doubles the perplexity
 # cost of tq4 (+14.9% vs +7.6% on Macbeth).
 EMBEDDING_FORMAT = WeightFormat("tq", 8, 64)
-FISHER_TOKENS = 256  # tokens of each calibration window used for Fisher sensitivities
+FISHER_TOKENS = 256  # tokens of each calibration window used for the Fisher information
 FISHER_WINDOWS = 32  # at most this many calibration windows (spread evenly) for Fisher
 
 
@@ -70,9 +70,10 @@ FISHER_WINDOWS = 32  # at most this many calibration windows (spread evenly) for
 class WeightSpec:
     """What to quantize and how.
 
-    method: one of METHODS or "mixed" (per-tensor "tq" bits meeting `bpw`).
+    method: one of METHODS or "mixed" (per-tensor "tq" bits and group meeting `bpw`).
     bpw: target average bits per weight of the quantized tensors, every stored byte counted
-      (mixed only). group_size: input rows per scale (None: the method's default; "tq": 64).
+      (mixed only). group_size: input rows per scale (None: the method's default, "tq": 64;
+      for mixed, the allocator picks one of `mixed.GROUPS` per tensor).
     quantize_embeddings: also quantize the token embedding (`EMBEDDING_FORMAT`, round to
       nearest, stored as embedᵀ so a tied head reads the same codes) and an untied output head
       (`EMBEDDING_FORMAT`, GPTQ when calibrated; outside the mixed allocation).
@@ -332,24 +333,14 @@ def calibration_windows(tokenizer: Tokenizer, text: str, count: int = 8,
     return np.stack([ids[s:s + length] for s in starts])
 
 
-# ---------------------------------------------------------------- Fisher sensitivities
-
-
-def group_energy(w: jax.Array, group: int) -> jax.Array:
-    """Mean square of each input group: w [K, N] -> f32 [ceil(K/group), N]."""
-    return group_sums(w.astype(jnp.float32) ** 2, group) / group
-
-
-def group_sums(x: jax.Array, group: int) -> jax.Array:
-    """x [K, N] summed over groups of `group` input rows (zero-padded) -> [ceil(K/group), N]."""
-    k, n = x.shape
-    return jnp.sum(jnp.pad(x, [(0, -k % group), (0, 0)]).reshape(-1, group, n), axis=1)
+# ---------------------------------------------------------------- Fisher information
 
 
 @functools.partial(jax.jit, static_argnums=(2, 5))
 def _fisher_window(linears: dict[str, jax.Array], params: Params, config: ModelConfig,
                    tokens: jax.Array, key: jax.Array, group: int) -> dict[str, jax.Array]:
-    """½ Σ (∂ log p(y)/∂w)²·σ²_group for one window, labels y sampled from the model."""
+    """Σ (∂ log p(y)/∂w)² over groups of `group` input rows for one window, labels y sampled
+    from the model -> {path: f32 [ceil(K/group), N]}."""
     cache = make_cache(CacheSpec(), batch=1, slots=tokens.shape[1], num_layers=config.num_layers,
                        kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
@@ -360,22 +351,20 @@ def _fisher_window(linears: dict[str, jax.Array], params: Params, config: ModelC
         return jnp.sum(jnp.take_along_axis(logp, y[:, None], axis=-1))
 
     grads = jax.grad(log_likelihood)(linears)
-    return {p: 0.5 * jnp.sum(group_sums(g.astype(jnp.float32) ** 2, group)
-                             * group_energy(linears[p], group)) for p, g in grads.items()}
+    return {p: group_sums(g.astype(jnp.float32) ** 2, group) for p, g in grads.items()}
 
 
-def fisher_sensitivity(params: Params, config: ModelConfig, paths: list[str],
-                       windows: np.ndarray, group: int, seed: int = 0) -> dict[str, float]:
-    """Per-linear a_l = ½ Σ_groups F·σ² (see `tqjax.quant.mixed`), averaged over calibration
-    windows int32 [W, T]; F is the diagonal Fisher from one sampled label per position (labels
-    drawn independently, so cross-position terms vanish in expectation)."""
+def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windows: np.ndarray,
+                    group: int, seed: int = 0) -> dict[str, jax.Array]:
+    """The diagonal Fisher of each linear's weights summed over groups of `group` input rows,
+    f32 [ceil(K/group), N], averaged over calibration windows int32 [W, T]: one sampled label
+    per position (labels drawn independently, so cross-position terms vanish in expectation)."""
     linears = {p: get_path(params, p) for p in paths}
-    total = dict.fromkeys(paths, 0.0)
+    total = {p: jnp.zeros(group_sums(w, group).shape, jnp.float32) for p, w in linears.items()}
     for i, w in enumerate(windows):
         key = jax.random.PRNGKey(seed * 7919 + i)
         out = _fisher_window(linears, params, config, jnp.asarray(w, jnp.int32)[None], key, group)
-        for p in paths:
-            total[p] += float(out[p]) / len(windows)
+        total = {p: total[p] + out[p] / len(windows) for p in paths}
     return total
 
 
@@ -383,23 +372,27 @@ def fisher_sensitivity(params: Params, config: ModelConfig, paths: list[str],
 
 
 def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths: list[str],
-                   windows: np.ndarray | None = None) -> dict[str, WeightFormat]:
-    """The format of every quantized linear: the method's, or the "mixed" allocation (Fisher
-    sensitivities with calibration windows, equal relative-error weights without); an untied
-    "lm_head" among `paths` gets `EMBEDDING_FORMAT`."""
-    fmt = spec.base_format
+                   windows: np.ndarray | None = None, progress: bool = False
+                   ) -> dict[str, WeightFormat]:
+    """The format of every quantized linear: the method's, or the "mixed" allocation over
+    `candidate_formats` (the spec's group size, or all of `mixed.GROUPS`), each tensor's loss
+    in each format measured by `format_losses`: Fisher-weighted with calibration windows,
+    relative without. An untied "lm_head" among `paths` gets `EMBEDDING_FORMAT`."""
     head = {"lm_head": EMBEDDING_FORMAT} if "lm_head" in paths else {}
     paths = [p for p in paths if p not in head]
     if spec.method != MIXED:
-        return dict.fromkeys(paths, fmt) | head
-    shapes = {p: tuple(get_path(params, p).shape) for p in paths}
-    if windows is None:
-        sensitivity = dict.fromkeys(paths, 1.0)
-    else:  # shorter windows bound the memory of the backward pass (logits of a big vocab)
+        return dict.fromkeys(paths, spec.base_format) | head
+    groups = (spec.group_size,) if spec.group_size else GROUPS
+    fisher: dict[str, jax.Array | None] = dict.fromkeys(paths)
+    if windows is not None:  # shorter windows bound the memory of the backward pass (big vocab)
         pick = np.linspace(0, len(windows) - 1, min(len(windows), FISHER_WINDOWS)).astype(int)
-        sensitivity = fisher_sensitivity(params, config, paths, windows[pick, :FISHER_TOKENS],
-                                         fmt.group, spec.seed)
-    return allocate(shapes, sensitivity, spec.bpw, fmt.group) | head
+        fisher |= fisher_diagonal(params, config, paths, windows[pick, :FISHER_TOKENS],
+                                  min(groups), spec.seed)
+    losses = {p: format_losses(get_path(params, p), groups, fisher[p], spec.seed)
+              for p in tqdm(paths, desc="measuring formats", unit="tensor", leave=False,
+                            disable=None if progress else True)}
+    shapes = {p: tuple(get_path(params, p).shape) for p in paths}
+    return allocate(shapes, losses, spec.bpw) | head
 
 
 def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.ndarray | None:
@@ -423,7 +416,7 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
 
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
-    (data-free); with it, codes come from sequential GPTQ and "mixed" uses Fisher sensitivities.
+    (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     """
     if any(isinstance(get_path(params, p), QuantizedLinear) for p in linear_paths(params)):
         raise TqjaxError("these params are already quantized")
@@ -431,7 +424,7 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     if spec.float_targets and windows is None:
         raise TqjaxError("float targets need calibration text (they steer GPTQ)")
     paths = linear_paths(params, spec.quantize_embeddings)
-    formats = weight_formats(params, config, spec, paths, windows)
+    formats = weight_formats(params, config, spec, paths, windows, progress)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     last: list[Any] = [None, None, None]  # [Gram, basis, factor]: one per stage and basis

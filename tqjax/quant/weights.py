@@ -201,7 +201,13 @@ class WeightFormat:
 
 @functools.lru_cache(maxsize=64)
 def format_lut(fmt: WeightFormat) -> jax.Array:
-    """Code -> value table f32 [2^bits], ascending (shared: one array per format)."""
+    """Code -> value table f32 [2^bits], ascending (shared: one array per format; built
+    eagerly even under a trace, so the cache never holds a tracer)."""
+    with jax.ensure_compile_time_eval():
+        return _lut(fmt)
+
+
+def _lut(fmt: WeightFormat) -> jax.Array:
     if fmt.kind == "tq":
         values = lloyd_max(fmt.bits, fmt.group).centroids * math.sqrt(fmt.group)
     elif fmt.kind == "sym":
@@ -213,8 +219,10 @@ def format_lut(fmt: WeightFormat) -> jax.Array:
 
 @functools.lru_cache(maxsize=16)
 def format_rotation(block: int, seed: int) -> Rotation:
-    """The rotation shared by every rotated tensor with this block size and seed."""
-    return make_rotation(block, seed)
+    """The rotation shared by every rotated tensor with this block size and seed (built
+    eagerly even under a trace)."""
+    with jax.ensure_compile_time_eval():
+        return make_rotation(block, seed)
 
 
 # ---------------------------------------------------------------- quantizing
