@@ -218,6 +218,11 @@ def test_format_loss_matches_lloyd_max_and_fisher_weighting(group):
     err = np.asarray(effective_weight(quantize_linear(w, fmt)) - w)
     assert format_loss(w, fmt, first) == pytest.approx(0.5 * float(np.sum(err[:64] ** 2)),
                                                        rel=1e-4)
+    # 112 rows: two Fisher blocks of 64 rows, the second zero-padded (not two of 56)
+    w = w[:112]
+    err = np.asarray(effective_weight(quantize_linear(w, fmt)) - w)
+    assert format_loss(w, fmt, first[:2]) == pytest.approx(
+        0.5 * float(np.sum(err[:64] ** 2)), rel=1e-4)
 
 
 def test_format_losses_scale_the_measured_error_by_lloyd_max():

@@ -37,7 +37,7 @@ from tqjax.models.transformer import (
     gated_activation,
     rms_norm,
 )
-from tqjax.quant.mixed import GROUPS, allocate, format_losses, group_sums
+from tqjax.quant.mixed import FISHER_ROWS, GROUPS, allocate, format_losses, group_sums
 from tqjax.quant.weights import (
     QuantizedLinear,
     WeightFormat,
@@ -387,7 +387,7 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
     if windows is not None:  # shorter windows bound the memory of the backward pass (big vocab)
         pick = np.linspace(0, len(windows) - 1, min(len(windows), FISHER_WINDOWS)).astype(int)
         fisher |= fisher_diagonal(params, config, paths, windows[pick, :FISHER_TOKENS],
-                                  min(groups), spec.seed)
+                                  FISHER_ROWS, spec.seed)
     losses = {p: format_losses(get_path(params, p), groups, fisher[p], spec.seed)
               for p in tqdm(paths, desc="measuring formats", unit="tensor", leave=False,
                             disable=None if progress else True)}
