@@ -192,6 +192,26 @@ def test_allocate_meets_budget_and_follows_sensitivity():
     assert {f.group for f in allocate(shapes, losses, 4.25).values()} == {64}
     with pytest.raises(TqjaxError, match="below the smallest"):
         allocate(shapes, theory_losses(sens, formats), 2.1)
+    with pytest.raises(TqjaxError, match="above the largest"):  # not silently 8.25
+        allocate(shapes, theory_losses(sens, formats), 9.0)
+
+
+def test_allocate_counts_fixed_tensors_and_only_the_constants_used():
+    formats = candidate_formats()
+    shapes = {"t": (64, 64)}
+    # 3 bits + its scales, lut and rotation signs fit 4 bits per weight, though every
+    # candidate's constants together would not
+    fmts = allocate(shapes, theory_losses({"t": 1.0}, formats), 4.0)
+    used = fmts["t"].tensor_bits(64, 64) + shared_bits([fmts["t"]])
+    assert used <= 4.0 * 64 * 64 < fmts["t"].tensor_bits(64, 64) + shared_bits(formats)
+    # a fixed 8-bit table counts in the budget: the allocated tensors get fewer bits
+    shapes = {f"t{i}": (256, 256) for i in range(4)}
+    losses = theory_losses(dict.fromkeys(shapes, 1.0), formats)
+    table = ((256, 512), WeightFormat("tq", 8, 64))
+    free, held = allocate(shapes, losses, 4.25), allocate(shapes, losses, 4.25, {"e": table})
+    bits = sum(f.tensor_bits(256, 256) for f in held.values()) + table[1].tensor_bits(256, 512)
+    assert bits + shared_bits(formats) <= 4.25 * (4 * 256 * 256 + 256 * 512)
+    assert sum(f.bits for f in held.values()) < sum(f.bits for f in free.values())
 
 
 def test_lower_hull_drops_dominated_and_concave_points():
@@ -223,6 +243,9 @@ def test_format_loss_matches_lloyd_max_and_fisher_weighting(group):
     err = np.asarray(effective_weight(quantize_linear(w, fmt)) - w)
     assert format_loss(w, fmt, first[:2]) == pytest.approx(
         0.5 * float(np.sum(err[:64] ** 2)), rel=1e-4)
+    # unit Fisher per weight with a partial last block (48 real rows): still ½ Σ err²
+    unit = jnp.asarray([[64.0], [48.0]]) * jnp.ones((1, 48))
+    assert format_loss(w, fmt, unit) == pytest.approx(0.5 * float(np.sum(err ** 2)), rel=1e-4)
 
 
 def test_format_losses_scale_the_measured_error_by_lloyd_max():
@@ -352,10 +375,13 @@ def test_fisher_mixed_allocation(tiny):
     fmts = weight_formats(tiny.params, tiny.config, spec, paths, cal)
     n = sum(math.prod(get_path(tiny.params, p).shape) for p in paths)
     bits = sum(f.tensor_bits(*get_path(tiny.params, p).shape) for p, f in fmts.items())
-    # an untied head stays outside the budget, in the embedding format
-    assert weight_formats(tiny.params, tiny.config, spec, [*paths, "lm_head"], cal) == (
-        fmts | {"lm_head": EMBEDDING_FORMAT})
     assert 3.5 * n < bits <= 4.25 * n
+    # an untied head keeps the embedding format and counts in the budget
+    head = get_path(tiny.params, "lm_head").shape
+    with_head = weight_formats(tiny.params, tiny.config, spec, [*paths, "lm_head"], cal)
+    assert with_head["lm_head"] == EMBEDDING_FORMAT
+    assert sum(f.tensor_bits(*get_path(tiny.params, p).shape) for p, f in with_head.items()) <= (
+        4.25 * (n + math.prod(head)))
     assert fmts != weight_formats(tiny.params, tiny.config, spec, paths)  # data-free differs
     fixed = weight_formats(tiny.params, tiny.config, dataclasses.replace(spec, group_size=32),
                            paths, cal)

@@ -76,7 +76,8 @@ class WeightSpec:
       for mixed, the allocator picks one of `mixed.GROUPS` per tensor).
     quantize_embeddings: also quantize the token embedding (`EMBEDDING_FORMAT`, round to
       nearest, stored as embedᵀ so a tied head reads the same codes) and an untied output head
-      (`EMBEDDING_FORMAT`, GPTQ when calibrated; outside the mixed allocation).
+      (`EMBEDDING_FORMAT`, GPTQ when calibrated): fixed formats whose bits count in the mixed
+      budget, so `bpw` is then the average over every quantized tensor.
       seed: rotation seed. damp: GPTQ relative dampening. float_targets: GPTQ aims every
       layer at the unquantized model's output (`run_sequential`), so each layer compensates
       the error of the ones before it (off by default: better on SmolLM2, worse on Qwen2.5).
@@ -376,8 +377,9 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
                    ) -> dict[str, WeightFormat]:
     """The format of every quantized linear: the method's, or the "mixed" allocation over
     `candidate_formats` (the spec's group size, or all of `mixed.GROUPS`), each tensor's loss
-    in each format measured by `format_losses`: Fisher-weighted with calibration windows,
-    relative without. An untied "lm_head" among `paths` gets `EMBEDDING_FORMAT`."""
+    in each format measured by `format_losses`: Fisher-weighted with calibration windows
+    int32 [W, T], relative without. An untied "lm_head" among `paths` gets `EMBEDDING_FORMAT`,
+    and so does the embedding with `spec.quantize_embeddings`; both count in the mixed budget."""
     head = {"lm_head": EMBEDDING_FORMAT} if "lm_head" in paths else {}
     paths = [p for p in paths if p not in head]
     if spec.method != MIXED:
@@ -392,7 +394,10 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
               for p in tqdm(paths, desc="measuring formats", unit="tensor", leave=False,
                             disable=None if progress else True)}
     shapes = {p: tuple(get_path(params, p).shape) for p in paths}
-    return allocate(shapes, losses, spec.bpw) | head
+    fixed = {p: (tuple(get_path(params, p).shape), f) for p, f in head.items()}
+    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
+        fixed["embed"] = (tuple(params.embed.shape[::-1]), EMBEDDING_FORMAT)
+    return allocate(shapes, losses, spec.bpw, fixed) | head
 
 
 def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.ndarray | None:
@@ -427,16 +432,20 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     formats = weight_formats(params, config, spec, paths, windows, progress)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
-    last: list[Any] = [None, None, None]  # [Gram, basis, factor]: one per stage and basis
+    gram: list[Any] = [None]  # the Gram the cached factors belong to
+    factors: dict[tuple[int, int], jax.Array] = {}  # GPTQ factor of that Gram, per basis
 
     def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
         fmt = formats[path]
         factor = None
         if hessian is not None:
+            if gram[0] is not hessian:
+                gram[0] = hessian
+                factors.clear()
             basis = (fmt.rotation_block, fmt.group_size(w.shape[0]))
-            if last[0] is not hessian or last[1] != basis:
-                last[:] = hessian, basis, hessian_factor(hessian, fmt, spec.seed, spec.damp)
-            factor = last[2]
+            if basis not in factors:
+                factors[basis] = hessian_factor(hessian, fmt, spec.seed, spec.damp)
+            factor = factors[basis]
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 

@@ -79,7 +79,8 @@ def format_loss(w: jax.Array, fmt: WeightFormat, fisher: jax.Array | None = None
     err = _squared_error(w, fmt, seed)
     if fisher is None:
         return float(jnp.sum(err) / jnp.maximum(jnp.sum(w * w), 1e-30))
-    return float(0.5 * jnp.sum(fisher * group_sums(err, FISHER_ROWS)) / FISHER_ROWS)
+    rows = group_sums(jnp.ones((w.shape[0], 1), jnp.float32), FISHER_ROWS)  # real rows per block
+    return float(0.5 * jnp.sum(fisher * group_sums(err, FISHER_ROWS) / rows))
 
 
 def distortion(fmt: WeightFormat) -> float:
@@ -89,9 +90,10 @@ def distortion(fmt: WeightFormat) -> float:
 
 def format_losses(w: jax.Array, groups: tuple[int, ...] = GROUPS,
                   fisher: jax.Array | None = None, seed: int = 0) -> dict[WeightFormat, float]:
-    """`format_loss` of w [K, N] for every `candidate_formats(groups)`: measured at
-    `MEASURED_BITS` for each group size and scaled to the other widths by the ratio of their
-    Lloyd–Max distortions (how the error of a rotated group falls with bits)."""
+    """`format_loss` of w [K, N] (fisher: None or f32 [ceil(K/FISHER_ROWS), N]) for every
+    `candidate_formats(groups)`: measured at `MEASURED_BITS` for each group size and scaled to
+    the other widths by the ratio of their Lloyd–Max distortions (how the error of a rotated
+    group falls with bits)."""
     out = {}
     for g in groups:
         measured = WeightFormat("tq", MEASURED_BITS, g)
@@ -101,23 +103,42 @@ def format_losses(w: jax.Array, groups: tuple[int, ...] = GROUPS,
 
 
 def allocate(shapes: dict[str, tuple[int, int]], losses: dict[str, dict[WeightFormat, float]],
-             bpw: float) -> dict[str, WeightFormat]:
+             bpw: float, fixed: dict[str, tuple[tuple[int, int], WeightFormat]] | None = None
+             ) -> dict[str, WeightFormat]:
     """Per-tensor formats for shapes {path: (in, out)} meeting `bpw`, minimising the summed
     predicted loss; losses[path][fmt] for every candidate format (see the module doc).
 
-    Raises TqjaxError when even the cheapest formats exceed the budget.
+    fixed: {path: ((in, out), format)} of tensors stored outside the allocation (an 8-bit
+    embedding or head) whose bits and parameters count in the budget all the same.
+    Raises TqjaxError when even the cheapest formats exceed the budget, or when the budget is
+    more than the most expensive formats use.
     """
+    fixed = fixed or {}
     formats = sorted({f for per in losses.values() for f in per}, key=lambda f: (f.bits, f.group))
-    n_params = sum(k * n for k, n in shapes.values())
-    budget = bpw * n_params - shared_bits(formats)
+    n_params = sum(k * n for k, n in shapes.values()) + sum(k * n for (k, n), _ in fixed.values())
+    fixed_bits = sum(f.tensor_bits(k, n) for (k, n), f in fixed.values())
+    fixed_formats = [f for _, f in fixed.values()]
+    # Every candidate's shared constants are reserved, used or not: a few kilobytes, and the
+    # budget then holds whatever the allocation picks.
+    reserve = fixed_bits + shared_bits(formats + fixed_formats)
+    budget = bpw * n_params - reserve
     cost = {p: {f: f.tensor_bits(k, n) for f in formats} for p, (k, n) in shapes.items()}
+    cheapest = {p: min(formats, key=lambda f: (c[f], f.bits)) for p, c in cost.items()}
 
     def floor(allowed: list[WeightFormat]) -> int:
         return sum(min(c[f] for f in allowed) for c in cost.values())
 
+    most = sum(max(c.values()) for c in cost.values()) + reserve
+    if bpw * n_params > most:
+        most /= n_params
+        raise TqjaxError(f"bpw {bpw} is above the largest mixed format ({most:.3f} bits/weight)")
     if floor(formats) > budget:
-        least = (floor(formats) + shared_bits(formats)) / n_params
-        raise TqjaxError(f"bpw {bpw} is below the smallest mixed format ({least:.3f} bits/weight)")
+        least = (floor(formats) + fixed_bits
+                 + shared_bits([*cheapest.values(), *fixed_formats])) / n_params
+        if least > bpw:
+            raise TqjaxError(f"bpw {bpw} is below the smallest mixed format "
+                             f"({least:.3f} bits/weight)")
+        return cheapest  # fits only without the unused formats' constants
     preferred = [f for f in formats if f.bits >= PREFERRED_MIN_BITS]
     if preferred and floor(preferred) <= budget:
         formats = preferred  # 2-bit codes only when the budget needs them
