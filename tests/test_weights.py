@@ -383,6 +383,8 @@ def test_fisher_mixed_allocation(tiny):
     assert sum(f.tensor_bits(*get_path(tiny.params, p).shape) for p, f in with_head.items()) <= (
         4.25 * (n + math.prod(head)))
     assert fmts != weight_formats(tiny.params, tiny.config, spec, paths)  # data-free differs
+    with pytest.raises(TqjaxError, match="above the largest"):  # before any measuring
+        weight_formats(tiny.params, tiny.config, WeightSpec("mixed", bpw=12.0), paths, cal)
     fixed = weight_formats(tiny.params, tiny.config, dataclasses.replace(spec, group_size=32),
                            paths, cal)
     assert {f.group for f in fixed.values()} == {32}

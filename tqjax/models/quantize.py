@@ -37,7 +37,15 @@ from tqjax.models.transformer import (
     gated_activation,
     rms_norm,
 )
-from tqjax.quant.mixed import FISHER_ROWS, GROUPS, allocate, format_losses, group_sums
+from tqjax.quant.mixed import (
+    FISHER_ROWS,
+    GROUPS,
+    allocate,
+    candidate_formats,
+    check_budget,
+    format_losses,
+    group_sums,
+)
 from tqjax.quant.weights import (
     QuantizedLinear,
     WeightFormat,
@@ -385,6 +393,11 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
     if spec.method != MIXED:
         return dict.fromkeys(paths, spec.base_format) | head
     groups = (spec.group_size,) if spec.group_size else GROUPS
+    shapes = {p: tuple(get_path(params, p).shape) for p in paths}
+    fixed = {p: (tuple(get_path(params, p).shape), f) for p, f in head.items()}
+    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
+        fixed["embed"] = (tuple(params.embed.shape[::-1]), EMBEDDING_FORMAT)
+    check_budget(shapes, candidate_formats(groups), spec.bpw, fixed)  # before the measuring
     fisher: dict[str, jax.Array | None] = dict.fromkeys(paths)
     if windows is not None:  # shorter windows bound the memory of the backward pass (big vocab)
         pick = np.linspace(0, len(windows) - 1, min(len(windows), FISHER_WINDOWS)).astype(int)
@@ -393,10 +406,6 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
     losses = {p: format_losses(get_path(params, p), groups, fisher[p], spec.seed)
               for p in tqdm(paths, desc="measuring formats", unit="tensor", leave=False,
                             disable=None if progress else True)}
-    shapes = {p: tuple(get_path(params, p).shape) for p in paths}
-    fixed = {p: (tuple(get_path(params, p).shape), f) for p, f in head.items()}
-    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
-        fixed["embed"] = (tuple(params.embed.shape[::-1]), EMBEDDING_FORMAT)
     return allocate(shapes, losses, spec.bpw, fixed) | head
 
 

@@ -102,43 +102,62 @@ def format_losses(w: jax.Array, groups: tuple[int, ...] = GROUPS,
     return out
 
 
+Fixed = dict[str, tuple[tuple[int, int], WeightFormat]]
+
+
+def _tally(shapes: dict[str, tuple[int, int]], formats: list[WeightFormat], fixed: Fixed
+           ) -> tuple[int, int, dict[str, dict[WeightFormat, int]]]:
+    """(parameters, bits of the fixed tensors, {path: {format: bits}})."""
+    n_params = sum(k * n for k, n in shapes.values()) + sum(k * n for (k, n), _ in fixed.values())
+    fixed_bits = sum(f.tensor_bits(k, n) for (k, n), f in fixed.values())
+    return n_params, fixed_bits, {p: {f: f.tensor_bits(k, n) for f in formats}
+                                  for p, (k, n) in shapes.items()}
+
+
+def _cheapest(cost: dict[str, dict[WeightFormat, int]]) -> dict[str, WeightFormat]:
+    return {p: min(c, key=lambda f: (c[f], f.bits)) for p, c in cost.items()}
+
+
+def check_budget(shapes: dict[str, tuple[int, int]], formats: list[WeightFormat], bpw: float,
+                 fixed: Fixed | None = None) -> None:
+    """Raise TqjaxError unless some choice of `formats` for shapes {path: (in, out)} (plus the
+    `fixed` tensors) meets `bpw`, or when even the most expensive choice stays below it."""
+    fixed = fixed or {}
+    n_params, fixed_bits, cost = _tally(shapes, formats, fixed)
+    kept = [f for _, f in fixed.values()]
+    least = (sum(min(c.values()) for c in cost.values()) + fixed_bits
+             + shared_bits([*_cheapest(cost).values(), *kept]))
+    most = sum(max(c.values()) for c in cost.values()) + fixed_bits + shared_bits(formats + kept)
+    if bpw * n_params < least:
+        raise TqjaxError(f"bpw {bpw} is below the smallest mixed format "
+                         f"({least / n_params:.3f} bits/weight)")
+    if bpw * n_params > most:
+        raise TqjaxError(f"bpw {bpw} is above the largest mixed format "
+                         f"({most / n_params:.3f} bits/weight)")
+
+
 def allocate(shapes: dict[str, tuple[int, int]], losses: dict[str, dict[WeightFormat, float]],
-             bpw: float, fixed: dict[str, tuple[tuple[int, int], WeightFormat]] | None = None
-             ) -> dict[str, WeightFormat]:
+             bpw: float, fixed: Fixed | None = None) -> dict[str, WeightFormat]:
     """Per-tensor formats for shapes {path: (in, out)} meeting `bpw`, minimising the summed
     predicted loss; losses[path][fmt] for every candidate format (see the module doc).
 
     fixed: {path: ((in, out), format)} of tensors stored outside the allocation (an 8-bit
     embedding or head) whose bits and parameters count in the budget all the same.
-    Raises TqjaxError when even the cheapest formats exceed the budget, or when the budget is
-    more than the most expensive formats use.
+    Raises TqjaxError as `check_budget` does.
     """
     fixed = fixed or {}
     formats = sorted({f for per in losses.values() for f in per}, key=lambda f: (f.bits, f.group))
-    n_params = sum(k * n for k, n in shapes.values()) + sum(k * n for (k, n), _ in fixed.values())
-    fixed_bits = sum(f.tensor_bits(k, n) for (k, n), f in fixed.values())
-    fixed_formats = [f for _, f in fixed.values()]
+    check_budget(shapes, formats, bpw, fixed)
+    n_params, fixed_bits, cost = _tally(shapes, formats, fixed)
     # Every candidate's shared constants are reserved, used or not: a few kilobytes, and the
     # budget then holds whatever the allocation picks.
-    reserve = fixed_bits + shared_bits(formats + fixed_formats)
-    budget = bpw * n_params - reserve
-    cost = {p: {f: f.tensor_bits(k, n) for f in formats} for p, (k, n) in shapes.items()}
-    cheapest = {p: min(formats, key=lambda f: (c[f], f.bits)) for p, c in cost.items()}
+    budget = bpw * n_params - fixed_bits - shared_bits(formats + [f for _, f in fixed.values()])
 
     def floor(allowed: list[WeightFormat]) -> int:
         return sum(min(c[f] for f in allowed) for c in cost.values())
 
-    most = sum(max(c.values()) for c in cost.values()) + reserve
-    if bpw * n_params > most:
-        most /= n_params
-        raise TqjaxError(f"bpw {bpw} is above the largest mixed format ({most:.3f} bits/weight)")
-    if floor(formats) > budget:
-        least = (floor(formats) + fixed_bits
-                 + shared_bits([*cheapest.values(), *fixed_formats])) / n_params
-        if least > bpw:
-            raise TqjaxError(f"bpw {bpw} is below the smallest mixed format "
-                             f"({least:.3f} bits/weight)")
-        return cheapest  # fits only without the unused formats' constants
+    if floor(formats) > budget:  # fits only without the unused formats' constants
+        return _cheapest(cost)
     preferred = [f for f in formats if f.bits >= PREFERRED_MIN_BITS]
     if preferred and floor(preferred) <= budget:
         formats = preferred  # 2-bit codes only when the budget needs them
