@@ -106,12 +106,12 @@ Fixed = dict[str, tuple[tuple[int, int], WeightFormat]]
 
 
 def _tally(shapes: dict[str, tuple[int, int]], formats: list[WeightFormat], fixed: Fixed
-           ) -> tuple[int, int, dict[str, dict[WeightFormat, int]]]:
-    """(parameters, bits of the fixed tensors, {path: {format: bits}})."""
+           ) -> tuple[int, int, list[WeightFormat], dict[str, dict[WeightFormat, int]]]:
+    """(parameters, bits of the fixed tensors, their formats, {path: {format: bits}})."""
     n_params = sum(k * n for k, n in shapes.values()) + sum(k * n for (k, n), _ in fixed.values())
     fixed_bits = sum(f.tensor_bits(k, n) for (k, n), f in fixed.values())
-    return n_params, fixed_bits, {p: {f: f.tensor_bits(k, n) for f in formats}
-                                  for p, (k, n) in shapes.items()}
+    cost = {p: {f: f.tensor_bits(k, n) for f in formats} for p, (k, n) in shapes.items()}
+    return n_params, fixed_bits, [f for _, f in fixed.values()], cost
 
 
 def _cheapest(cost: dict[str, dict[WeightFormat, int]]) -> dict[str, WeightFormat]:
@@ -122,9 +122,7 @@ def check_budget(shapes: dict[str, tuple[int, int]], formats: list[WeightFormat]
                  fixed: Fixed | None = None) -> None:
     """Raise TqjaxError unless some choice of `formats` for shapes {path: (in, out)} (plus the
     `fixed` tensors) meets `bpw`, or when even the most expensive choice stays below it."""
-    fixed = fixed or {}
-    n_params, fixed_bits, cost = _tally(shapes, formats, fixed)
-    kept = [f for _, f in fixed.values()]
+    n_params, fixed_bits, kept, cost = _tally(shapes, formats, fixed or {})
     least = (sum(min(c.values()) for c in cost.values()) + fixed_bits
              + shared_bits([*_cheapest(cost).values(), *kept]))
     most = sum(max(c.values()) for c in cost.values()) + fixed_bits + shared_bits(formats + kept)
@@ -145,13 +143,12 @@ def allocate(shapes: dict[str, tuple[int, int]], losses: dict[str, dict[WeightFo
     embedding or head) whose bits and parameters count in the budget all the same.
     Raises TqjaxError as `check_budget` does.
     """
-    fixed = fixed or {}
     formats = sorted({f for per in losses.values() for f in per}, key=lambda f: (f.bits, f.group))
     check_budget(shapes, formats, bpw, fixed)
-    n_params, fixed_bits, cost = _tally(shapes, formats, fixed)
+    n_params, fixed_bits, kept, cost = _tally(shapes, formats, fixed or {})
     # Every candidate's shared constants are reserved, used or not: a few kilobytes, and the
     # budget then holds whatever the allocation picks.
-    budget = bpw * n_params - fixed_bits - shared_bits(formats + [f for _, f in fixed.values()])
+    budget = bpw * n_params - fixed_bits - shared_bits(formats + kept)
 
     def floor(allowed: list[WeightFormat]) -> int:
         return sum(min(c[f] for f in allowed) for c in cost.values())
