@@ -27,9 +27,7 @@ from tqjax.models.quantize import (
     fisher_diagonal,
     float_target,
     get_path,
-    gptq_gains,
     linear_paths,
-    output_error,
     params_bits,
     quantize_params,
     run_sequential,
@@ -159,61 +157,6 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt):
     with pytest.raises(TqjaxError):  # a factor for another basis
         quantize_linear(jnp.asarray(w), WeightFormat("tq", 4, 32),
                         hessian=hessian_factor(h, WeightFormat("tq", 4, 64)))
-
-
-@pytest.mark.parametrize("fmt", [WeightFormat("tq", 4, 32), WeightFormat("sym", 4, 32)],
-                         ids=lambda f: f.name)
-def test_gptq_scales_are_least_squares_for_their_codes(fmt):
-    """After GPTQ each column's group scales minimise ‖X (w − ŵ)‖² for the chosen codes: a
-    least-squares fit over the calibration samples themselves (numpy) does no better."""
-    rng = np.random.default_rng(1)
-    k, n = 96, 6  # 3 groups of 32
-    x = (rng.standard_normal((1024, k)) * np.linspace(0.3, 2, k)) @ (
-        np.eye(k) + rng.standard_normal((k, k)) / np.sqrt(k))
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    q = quantize_linear(jnp.asarray(w), fmt,
-                        hessian=hessian_factor(jnp.asarray(x.T @ x, jnp.float32), fmt, damp=0.0))
-    groups = q.scale.shape[0]
-    # ŵ is linear in the scales: the effective weight of each group at unit scale
-    unit = [np.asarray(effective_weight(q.replace(scale=jnp.zeros_like(q.scale).at[g].set(1))))
-            for g in range(groups)]
-    for j in range(n):
-        design = np.stack([x @ u[:, j] for u in unit], axis=1)  # [samples, groups]
-        best = np.linalg.lstsq(design, x @ w[:, j], rcond=None)[0]
-        got = np.asarray(q.scale[:, j], np.float64)
-        err = [float(np.sum((design @ s - x @ w[:, j]) ** 2)) for s in (got, best)]
-        assert err[0] <= err[1] * (1 + 1e-3), (j, err)
-
-
-def test_gptq_gains(tiny, monkeypatch):
-    cal = np.random.default_rng(0).integers(0, 256, (4, 48))
-    paths = linear_paths(tiny.params, quantize_head=False)
-    spec = WeightSpec("mixed", bpw=4.25)
-    fmt = WeightFormat("tq", 4, 64)
-    gains = gptq_gains(tiny.params, tiny.config, cal, paths, fmt, spec)
-    assert set(gains) == set(paths) and all(0 < g < 10 for g in gains.values()), gains
-    assert gptq_gains(tiny.params, tiny.config, cal[:1], paths, fmt, spec) == dict.fromkeys(
-        paths, 1.0)  # nothing to hold out
-    # the ratio of two output errors on the odd windows, GPTQ fitted to the even ones
-    grams = [{}, {}]
-    for half, windows in zip(grams, (cal[0::2], cal[1::2]), strict=True):
-        run_sequential(tiny.params, tiny.config, windows,
-                       lambda p, w, h, half=half: half.setdefault(p, (w, h))[0], head=False)
-    for path in (paths[0], paths[-1]):
-        (w, h_fit), (_, h_eval) = grams[0][path], grams[1][path]
-        rtn = quantize_linear(w, fmt)
-        d = effective_weight(rtn) - w
-        assert float(output_error(w, rtn, h_eval)) == pytest.approx(
-            float(jnp.sum(d * (h_eval @ d))), rel=1e-5)
-        gptq = quantize_linear(w, fmt, hessian=hessian_factor(h_fit, fmt))
-        assert gains[path] == pytest.approx(
-            float(output_error(w, gptq, h_eval)) / float(output_error(w, rtn, h_eval)), rel=1e-4)
-    # the allocator reads them: a tensor GPTQ (nearly) cancels gets the cheapest format
-    import tqjax.models.quantize as quantize_module
-    cheap = {p: (1e-9 if p == paths[0] else 1.0) for p in paths}
-    monkeypatch.setattr(quantize_module, "gptq_gains", lambda *a, **kw: cheap)
-    fmts = weight_formats(tiny.params, tiny.config, spec, paths, cal)
-    assert fmts[paths[0]].bits == 3
 
 
 # ---------------------------------------------------------------- mixed allocation

@@ -40,7 +40,6 @@ from tqjax.models.transformer import (
 from tqjax.quant.mixed import (
     FISHER_ROWS,
     GROUPS,
-    MEASURED_BITS,
     allocate,
     candidate_formats,
     check_budget,
@@ -48,10 +47,8 @@ from tqjax.quant.mixed import (
     group_sums,
 )
 from tqjax.quant.weights import (
-    HessianFactor,
     QuantizedLinear,
     WeightFormat,
-    effective_weight,
     hessian_factor,
     linear,
     quantize_linear,
@@ -75,7 +72,6 @@ MIXED = "mixed"
 EMBEDDING_FORMAT = WeightFormat("tq", 8, 64)
 FISHER_TOKENS = 256  # tokens of each calibration window used for the Fisher information
 FISHER_WINDOWS = 32  # at most this many calibration windows (spread evenly) for Fisher
-GAIN_WINDOWS = 16  # at most this many (half fitted, half held out) for `gptq_gains`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,69 +377,6 @@ def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windo
     return total
 
 
-# ---------------------------------------------------------------- GPTQ
-
-
-def factor_cache(spec: WeightSpec) -> Callable[[jax.Array, WeightFormat, int], HessianFactor]:
-    """`hessian_factor` (spec's seed and dampening) of a Gram for a format and input size,
-    cached per stored basis while the same Gram comes back (q/k/v and gate/up share one)."""
-    gram: list[Any] = [None]  # the Gram the cached factors belong to
-    factors: dict[tuple[int, int], HessianFactor] = {}
-
-    def factor(hessian: jax.Array, fmt: WeightFormat, in_features: int) -> HessianFactor:
-        if gram[0] is not hessian:
-            gram[0] = hessian
-            factors.clear()
-        basis = (fmt.rotation_block, fmt.group_size(in_features))
-        if basis not in factors:
-            factors[basis] = hessian_factor(hessian, fmt, spec.seed, spec.damp)
-        return factors[basis]
-
-    return factor
-
-
-@jax.jit
-def output_error(w: jax.Array, q: QuantizedLinear, hessian: jax.Array) -> jax.Array:
-    """tr(Δᵀ H Δ) for Δ = the quantized weight − w [K, N], H = Σ x xᵀ [K, K]: the summed
-    squared output error of the layer over the inputs H was gathered from (f32 scalar)."""
-    d = effective_weight(q) - w.astype(jnp.float32)
-    return jnp.sum(d * (hessian @ d))
-
-
-def gptq_gains(params: Params, config: ModelConfig, windows: np.ndarray, paths: list[str],
-               fmt: WeightFormat, spec: WeightSpec) -> dict[str, float]:
-    """{path: output error of GPTQ / that of rounding to nearest} in `fmt`, GPTQ fitted to the
-    unquantized model's inputs on the even windows int32 [W, T] and both errors measured on the
-    odd ones (1.0 for every path with fewer than 2 windows, or where rounding is exact).
-
-    GPTQ cuts the error of some tensors several times more than of others (o_proj the most:
-    its inputs are the most correlated); the allocator, which measures rounding to nearest,
-    uses this to predict the error GPTQ leaves. Held out, because in-sample GPTQ overfits a
-    wide layer (down_proj) to a few thousand tokens and would look far better than it is.
-    """
-    gains = dict.fromkeys(paths, 1.0)
-    if len(windows) < 2:
-        return gains
-    fitted: dict[str, QuantizedLinear] = {}
-    factor = factor_cache(spec)
-
-    def fit(path: str, w: jax.Array, hessian: jax.Array) -> jax.Array:
-        if path in gains:
-            fitted[path] = quantize_linear(w, fmt, spec.seed, factor(hessian, fmt, w.shape[0]))
-        return w
-
-    def measure(path: str, w: jax.Array, hessian: jax.Array) -> jax.Array:
-        if path in gains:
-            rtn = float(output_error(w, quantize_linear(w, fmt, spec.seed), hessian))
-            if rtn > 0:
-                gains[path] = float(output_error(w, fitted.pop(path), hessian)) / rtn
-        return w
-
-    run_sequential(params, config, windows[0::2], fit, head=False)
-    run_sequential(params, config, windows[1::2], measure, head=False)
-    return gains
-
-
 # ---------------------------------------------------------------- quantizing a model
 
 
@@ -453,10 +386,8 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
     """The format of every quantized linear: the method's, or the "mixed" allocation over
     `candidate_formats` (the spec's group size, or all of `mixed.GROUPS`), each tensor's loss
     in each format measured by `format_losses`: Fisher-weighted with calibration windows
-    int32 [W, T] and scaled by each tensor's `gptq_gains` (GPTQ, not rounding to nearest,
-    makes the codes then), relative without. An untied "lm_head" among `paths` gets
-    `EMBEDDING_FORMAT`, and so does the embedding with `spec.quantize_embeddings`; both count
-    in the mixed budget."""
+    int32 [W, T], relative without. An untied "lm_head" among `paths` gets `EMBEDDING_FORMAT`,
+    and so does the embedding with `spec.quantize_embeddings`; both count in the mixed budget."""
     head = {"lm_head": EMBEDDING_FORMAT} if "lm_head" in paths else {}
     paths = [p for p in paths if p not in head]
     if spec.method != MIXED:
@@ -468,17 +399,11 @@ def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths:
         fixed["embed"] = (tuple(params.embed.shape[::-1]), EMBEDDING_FORMAT)
     check_budget(shapes, candidate_formats(groups), spec.bpw, fixed)  # before the measuring
     fisher: dict[str, jax.Array | None] = dict.fromkeys(paths)
-    gains = dict.fromkeys(paths, 1.0)
     if windows is not None:  # shorter windows bound the memory of the backward pass (big vocab)
         pick = np.linspace(0, len(windows) - 1, min(len(windows), FISHER_WINDOWS)).astype(int)
         fisher |= fisher_diagonal(params, config, paths, windows[pick, :FISHER_TOKENS],
                                   FISHER_ROWS, spec.seed)
-        pick = np.linspace(0, len(windows) - 1, min(len(windows), GAIN_WINDOWS)).astype(int)
-        gains = gptq_gains(params, config, windows[pick], paths,
-                           WeightFormat("tq", MEASURED_BITS, groups[0]), spec)
-    losses = {p: {f: gains[p] * loss
-                  for f, loss in format_losses(get_path(params, p), groups, fisher[p],
-                                               spec.seed).items()}
+    losses = {p: format_losses(get_path(params, p), groups, fisher[p], spec.seed)
               for p in tqdm(paths, desc="measuring formats", unit="tensor", leave=False,
                             disable=None if progress else True)}
     return allocate(shapes, losses, spec.bpw, fixed) | head
@@ -516,13 +441,22 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     formats = weight_formats(params, config, spec, paths, windows, progress)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
-    factor = factor_cache(spec)
+    gram: list[Any] = [None]  # the Gram the cached factors belong to
+    factors: dict[tuple[int, int], jax.Array] = {}  # GPTQ factor of that Gram, per basis
 
     def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
         fmt = formats[path]
+        factor = None
+        if hessian is not None:
+            if gram[0] is not hessian:
+                gram[0] = hessian
+                factors.clear()
+            basis = (fmt.rotation_block, fmt.group_size(w.shape[0]))
+            if basis not in factors:
+                factors[basis] = hessian_factor(hessian, fmt, spec.seed, spec.damp)
+            factor = factors[basis]
         bar.update()
-        return quantize_linear(w, fmt, spec.seed, None if hessian is None else
-                               factor(hessian, fmt, w.shape[0]))
+        return quantize_linear(w, fmt, spec.seed, factor)
 
     if spec.quantize_embeddings:
         params = params.replace(embed=quantize_linear(params.embed.T, EMBEDDING_FORMAT, spec.seed))

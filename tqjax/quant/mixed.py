@@ -10,9 +10,7 @@ scaled to the other widths by the Lloyd–Max distortion, `format_losses`):
   the same;
 - with calibration text: ½ Σ_{b,n} F_b,n · mse_b,n(f), the diagonal Fisher information of the
   next-token distribution summed over each block of `FISHER_ROWS` input rows times the block's
-  mean squared rounding error: the second-order KL increase of that error. The caller scales
-  it by the share of the output error GPTQ leaves in that tensor
-  (`tqjax.models.quantize.gptq_gains`).
+  mean squared rounding error: the second-order KL increase of that error.
 
 After the per-group rotation a group is close to Gaussian, so a larger group costs little
 accuracy (2% more error at 128 rows than at 64 for Gaussian weights) and saves scale bits

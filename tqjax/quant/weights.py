@@ -25,9 +25,7 @@ before the per-channel absmax is taken.
 With a Hessian H = Σ x xᵀ of the layer's inputs (calibration text), codes are chosen by GPTQ
 (Frantar et al. 2022) in the stored (rotated) basis: rows are quantized in order and each row's
 error, weighted by the inverse Hessian's Cholesky factor, is pushed onto the rows not yet
-quantized; a group's scale is fitted when its first row is reached. Once every code is chosen,
-each output column's group scales are re-solved together by least squares in H (offset-free
-kinds): the GPTQ updates moved the weights those scales were first fitted to.
+quantized; a group's scale is fitted when its first row is reached.
 """
 
 from __future__ import annotations
@@ -310,7 +308,6 @@ def _round_to_nearest(w: jax.Array, h: jax.Array, lut: jax.Array, kind: str,
 class HessianFactor:
     """A layer-input Hessian prepared for GPTQ in one stored basis (see `hessian_factor`)."""
 
-    hessian: jax.Array  # [K_pad, K_pad] f32 H + λI in the stored basis
     upper: jax.Array  # [K_pad, K_pad] f32 upper-triangular U with Uᵀ U = (H + λI)⁻¹
     importance: jax.Array  # [K_pad] f32 diagonal of H + λI (weights of the scale search)
     dead: jax.Array  # [K_pad] bool: inputs that are always zero (their weights are dropped)
@@ -319,8 +316,7 @@ class HessianFactor:
 
 
 @jax.jit
-def _factor(hessian: jax.Array, damp: float
-            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _factor(hessian: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     k = hessian.shape[0]
     diag = jnp.diag(hessian)
     dead = diag <= 0
@@ -329,7 +325,7 @@ def _factor(hessian: jax.Array, damp: float
     # Upper U with Uᵀ U = H⁻¹ from one Cholesky of the index-reversed H: U = J L⁻¹ J.
     low = jnp.linalg.cholesky(hessian[::-1, ::-1])
     upper = jax.scipy.linalg.solve_triangular(low, jnp.eye(k), lower=True)[::-1, ::-1]
-    return hessian, upper, jnp.diag(hessian), dead
+    return upper, jnp.diag(hessian), dead
 
 
 def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
@@ -341,7 +337,8 @@ def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
     if hessian.shape != (k, k):
         raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
     hr = to_stored_basis(to_stored_basis(hessian, fmt, seed).T, fmt, seed)
-    return HessianFactor(*_factor(hr, damp), fmt.group_size(k), fmt.rotation_block)
+    upper, importance, dead = _factor(hr, damp)
+    return HessianFactor(upper, importance, dead, fmt.group_size(k), fmt.rotation_block)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -374,39 +371,8 @@ def _gptq(w: jax.Array, factor: HessianFactor, lut: jax.Array,
         w = w - jnp.where(later[None, :], ub, 0.0).T @ err
         return w, (codes, scale, offset)
 
-    w0 = w
     _, (codes, scale, offset) = jax.lax.scan(block, w, jnp.arange(k // group))
-    codes = codes.reshape(k, n)
-    if offset is None:
-        values = jnp.where(factor.dead[:, None], 0.0, lut[codes.astype(jnp.int32)])
-        scale = _refit_scales(w0, values, scale, factor.hessian)
-    return codes, scale, offset
-
-
-def _refit_scales(w: jax.Array, c: jax.Array, scale: jax.Array, h: jax.Array) -> jax.Array:
-    """Group scales [G, N] minimising each column's (w − ŵ)ᵀ H (w − ŵ) for fixed code values
-    c f32 [K, N] (ŵ = scale per group · c; w [K, N], H [K, K]): per column the G×G normal
-    equations M s = r with M_ab = Σ_{i∈a, i'∈b} c_i H_ii' c_i'. A column keeps its old scales
-    where the f16-rounded solution does not lower the error."""
-    k, n = w.shape
-    g = scale.shape[0]
-    cg = c.reshape(g, k // g, n)
-
-    def block(b: jax.Array) -> jax.Array:  # M[:, b, :]
-        hb = jax.lax.dynamic_slice(h, (0, b * (k // g)), (k, k // g))
-        cb = jax.lax.dynamic_slice(c, (b * (k // g), 0), (k // g, n))
-        return jnp.sum(cg * (hb @ cb).reshape(cg.shape), axis=1)
-
-    m = jnp.moveaxis(jax.lax.map(block, jnp.arange(g)), -1, 0)  # [N, G, G]
-    r = jnp.sum(cg * (h @ w).reshape(cg.shape), axis=1).T  # [N, G]
-    ridge = 1e-6 * jnp.diagonal(m, axis1=1, axis2=2) + 1e-20  # keeps an all-zero group's scale
-    s = jnp.linalg.solve(m + jax.vmap(jnp.diag)(ridge), (r + ridge * scale.T)[..., None])[..., 0]
-    s = _f16(s)
-
-    def error(x: jax.Array) -> jax.Array:  # up to the column's constant wᵀHw
-        return jnp.einsum("na,nab,nb->n", x, m, x) - 2 * jnp.sum(x * r, axis=1)
-
-    return jnp.where((error(s) < error(scale.T))[:, None], s, scale.T).T
+    return codes.reshape(k, n), scale, offset
 
 
 def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array:
