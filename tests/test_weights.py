@@ -46,8 +46,10 @@ from tqjax.quant.mixed import (
 )
 from tqjax.quant.packing import unpack_bits
 from tqjax.quant.weights import (
+    HessianFactor,
     QuantizedLinear,
     WeightFormat,
+    _factor,
     dequantize_weight,
     effective_weight,
     format_lut,
@@ -55,6 +57,7 @@ from tqjax.quant.weights import (
     hessian_factor,
     linear,
     quantize_linear,
+    to_stored_basis,
 )
 
 from .conftest import GOLDEN
@@ -157,6 +160,46 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt):
     with pytest.raises(TqjaxError):  # a factor for another basis
         quantize_linear(jnp.asarray(w), WeightFormat("tq", 4, 32),
                         hessian=hessian_factor(h, WeightFormat("tq", 4, 64)))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("sym", 4, 32), WeightFormat("affine", 4, 32)],
+                         ids=lambda f: f.name)
+def test_gptq_act_order_maps_codes_back_to_their_rows(fmt):
+    """With uncorrelated inputs GPTQ has no error to push on, so in any order it must give
+    round to nearest's codes and scales, in the stored row and group order."""
+    rng = np.random.default_rng(1)
+    k, n = 96, 16
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    diag = rng.uniform(0.1, 10.0, k)  # a scrambled order: groups and rows permuted
+    factor = hessian_factor(jnp.diag(jnp.asarray(diag, jnp.float32)), fmt)
+    order = np.asarray(factor.order)
+    assert sorted(order.tolist()) == list(range(k))
+    by_group = diag[order].reshape(-1, 32)  # whole groups, the heaviest first, rows descending
+    assert np.all(np.diff(by_group.sum(axis=1)) <= 0) and np.all(np.diff(by_group, axis=1) <= 0)
+    assert np.all(order.reshape(-1, 32) // 32 == order[::32, None] // 32)
+    got, ref = quantize_linear(w, fmt, hessian=factor), quantize_linear(w, fmt)
+    np.testing.assert_array_equal(got.packed, ref.packed)
+    np.testing.assert_array_equal(got.scale, ref.scale)
+    if fmt.kind == "affine":
+        np.testing.assert_array_equal(got.offset, ref.offset)
+
+
+def test_gptq_act_order_beats_the_natural_order():
+    """Inputs growing in scale along the rows: the natural order would quantize the important
+    rows last, with the least left to compensate them (GPTQ's act-order, Frantar et al.)."""
+    rng = np.random.default_rng(0)
+    k, n = 256, 64
+    fmt = WeightFormat("tq", 3, 32)
+    mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
+    x = (rng.standard_normal((4096, k)) * np.linspace(0.1, 4, k) ** 2) @ mix
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    h = jnp.asarray(x.T @ x, jnp.float32)
+    act = hessian_factor(h, fmt)
+    hr = to_stored_basis(to_stored_basis(h, fmt).T, fmt)
+    natural = HessianFactor(jnp.arange(k, dtype=jnp.int32), *_factor(hr, 0.01), 32, 32)
+    err = [float(np.sum((x @ (np.asarray(effective_weight(quantize_linear(w, fmt, hessian=f)))
+                              - np.asarray(w))) ** 2)) for f in (natural, act)]
+    assert err[1] < 0.8 * err[0], err
 
 
 # ---------------------------------------------------------------- mixed allocation

@@ -23,9 +23,11 @@ Quantizers (`quantize_linear`) produce this format for a `WeightFormat`:
 "int8-rot" is per-channel int8 over the 64-row Hadamard blocks, which spreads outlier weights
 before the per-channel absmax is taken.
 With a Hessian H = Σ x xᵀ of the layer's inputs (calibration text), codes are chosen by GPTQ
-(Frantar et al. 2022) in the stored (rotated) basis: rows are quantized in order and each row's
-error, weighted by the inverse Hessian's Cholesky factor, is pushed onto the rows not yet
-quantized; a group's scale is fitted when its first row is reached.
+(Frantar et al. 2022) in the stored (rotated) basis: rows are quantized one at a time and each
+row's error, weighted by the inverse Hessian's Cholesky factor, is pushed onto the rows not yet
+quantized; a group's scale is fitted when its first row is reached. The order is GPTQ's
+act-order kept to whole groups (so the stored layout is unchanged): the group with the most
+Hessian mass first, and within a group the rows by descending diagonal.
 """
 
 from __future__ import annotations
@@ -308,11 +310,22 @@ def _round_to_nearest(w: jax.Array, h: jax.Array, lut: jax.Array, kind: str,
 class HessianFactor:
     """A layer-input Hessian prepared for GPTQ in one stored basis (see `hessian_factor`)."""
 
+    # Rows are in quantization order: row i of the three arrays below is stored row order[i].
+    order: jax.Array  # [K_pad] int32 permutation of the stored rows, whole groups at a time
     upper: jax.Array  # [K_pad, K_pad] f32 upper-triangular U with Uᵀ U = (H + λI)⁻¹
     importance: jax.Array  # [K_pad] f32 diagonal of H + λI (weights of the scale search)
     dead: jax.Array  # [K_pad] bool: inputs that are always zero (their weights are dropped)
     group: int = struct.field(pytree_node=False, default=64)
     rotation: int = struct.field(pytree_node=False, default=0)  # the basis' Hadamard block
+
+
+@functools.partial(jax.jit, static_argnames=("group",))
+def _act_order(diag: jax.Array, group: int) -> jax.Array:
+    """GPTQ's act-order over whole groups: diag f32 [K_pad] -> permutation int32 [K_pad]."""
+    d = diag.reshape(-1, group)
+    groups = jnp.argsort(-jnp.sum(d, axis=1), stable=True)
+    within = jnp.argsort(-d, axis=1, stable=True)[groups]
+    return (groups[:, None] * group + within).reshape(-1).astype(jnp.int32)
 
 
 @jax.jit
@@ -331,14 +344,17 @@ def _factor(hessian: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.
 def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
                    damp: float = 0.01) -> HessianFactor:
     """Prepare H = Σ x xᵀ f32 [K, K] (a layer's calibration inputs) for GPTQ on `fmt`: moved to
-    the stored basis (padded, rotated per group for "tq"), dampened by `damp`·mean(diag H) and
-    factored. Reusable for every weight with the same input and basis (q/k/v, gate/up)."""
+    the stored basis (padded, rotated per group for "tq"), put in act-order, dampened by
+    `damp`·mean(diag H) and factored. Reusable for every weight with the same input and basis
+    (q/k/v, gate/up)."""
     k = hessian.shape[0]
     if hessian.shape != (k, k):
         raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
     hr = to_stored_basis(to_stored_basis(hessian, fmt, seed).T, fmt, seed)
-    upper, importance, dead = _factor(hr, damp)
-    return HessianFactor(upper, importance, dead, fmt.group_size(k), fmt.rotation_block)
+    group = fmt.group_size(k)
+    order = _act_order(jnp.diag(hr), group)
+    upper, importance, dead = _factor(hr[order][:, order], damp)
+    return HessianFactor(order, upper, importance, dead, group, fmt.rotation_block)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -347,7 +363,7 @@ def _gptq(w: jax.Array, factor: HessianFactor, lut: jax.Array,
     """GPTQ: w f32 [K, N] in the stored basis -> codes [K, N], scale, offset (per group)."""
     k, n = w.shape
     group, u = factor.group, factor.upper
-    w = jnp.where(factor.dead[:, None], 0.0, w)
+    w = jnp.where(factor.dead[:, None], 0.0, w[factor.order])
     rows = jnp.arange(group)
 
     def block(w: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple]:
@@ -372,7 +388,10 @@ def _gptq(w: jax.Array, factor: HessianFactor, lut: jax.Array,
         return w, (codes, scale, offset)
 
     _, (codes, scale, offset) = jax.lax.scan(block, w, jnp.arange(k // group))
-    return codes.reshape(k, n), scale, offset
+    back = jnp.argsort(factor.order)  # quantization order -> stored order
+    groups = jnp.argsort(factor.order[::group])
+    return (codes.reshape(k, n)[back], scale[groups],
+            None if offset is None else offset[groups])
 
 
 def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array:
