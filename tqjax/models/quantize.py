@@ -47,6 +47,7 @@ from tqjax.quant.mixed import (
     group_sums,
 )
 from tqjax.quant.weights import (
+    HessianFactor,
     QuantizedLinear,
     WeightFormat,
     hessian_factor,
@@ -442,7 +443,7 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     gram: list[Any] = [None]  # the Gram the cached factors belong to
-    factors: dict[tuple[int, int], jax.Array] = {}  # GPTQ factor of that Gram, per basis
+    factors: dict[tuple[int, int], HessianFactor] = {}  # GPTQ factor of that Gram, per basis
 
     def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
         fmt = formats[path]
