@@ -1,6 +1,9 @@
 """Weight quantization table: perplexity change, KL and top-1 agreement against the f32 weights,
 exact bits per weight, quantize time and quantized-checkpoint load time, on several models and
 texts, plus tq4 weights combined with a compressed KV cache (total memory at 8k tokens).
+With `--first-order`, each quantized run's ΔNLL is also split into g·Δ, the first-order term
+(the luck of how the rounding falls against the text), and the rest (see
+`tqjax.eval.first_order_nll`).
 
     python scripts/weights_table.py --models smollm2-135m-instruct --texts shakespeare:macbeth \
         --runs int8,int4,tq4 --ctx-size 2048 --max-tokens 8192 --out weights_table.json
@@ -45,16 +48,20 @@ def markdown(rows: list[dict]) -> str:
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for text in dict.fromkeys(r["text"] for r in rows if r["model"] == model):
+            these = [r for r in rows if (r["model"], r["text"]) == (model, text)]
+            split = any("first_order" in r for r in these)
             out += [f"### {model} — {text}", "",
                     "| run | weights bpw | KV | PPL | ΔPPL ± s.e. | KL | top-1 "
-                    "| params+KV@8k MiB |",
-                    "|---|---|---|---|---|---|---|---|"]
-            for r in rows:
-                if (r["model"], r["text"]) == (model, text):
-                    out.append(
-                        f"| {r['run']} | {r['bpw']:.4f} | {r['kv']} | {r['ppl']:.3f} | "
-                        f"{dppl_text(r)} | {r['kl']:.4f} | {r['top1']:.3f} | "
-                        f"{r['total_bytes_8k'] / 2**20:.1f} |")
+                    "| params+KV@8k MiB |" + (" ΔNLL | g·Δ | ΔNLL − g·Δ |" if split else ""),
+                    "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if split else "")]
+            for r in these:
+                out.append(
+                    f"| {r['run']} | {r['bpw']:.4f} | {r['kv']} | {r['ppl']:.3f} | "
+                    f"{dppl_text(r)} | {r['kl']:.4f} | {r['top1']:.3f} | "
+                    f"{r['total_bytes_8k'] / 2**20:.1f} |"
+                    + (" " + " | ".join(f"{r[k]:+.4f}" if k in r else ""
+                                        for k in ("nll_delta", "first_order", "nll_rest"))
+                       + " |" if split else ""))
             out.append("")
     return "\n".join(out)
 
@@ -80,6 +87,8 @@ def main() -> int:
                    help="GPTQ against the unquantized model's outputs (WeightSpec.float_targets)")
     p.add_argument("--checkpoint-run", default="tq4",
                    help="run saved as a quantized checkpoint to time its load and size")
+    p.add_argument("--first-order", action="store_true",
+                   help="split each quantized run's ΔNLL into g·Δ and the rest (a JVP per window)")
     p.add_argument("--out", type=Path, default=Path("weights_table.json"))
     args = p.parse_args()
 
@@ -88,7 +97,7 @@ def main() -> int:
     import tqjax
     from tqjax.api import kv_footprint
     from tqjax.atomic import write_text
-    from tqjax.eval import sweep
+    from tqjax.eval import first_order_nll, sweep
     from tqjax.fetch import corpus_text
     from tqjax.kv.cache import check_spec
     from tqjax.models.checkpoint import save_quantized
@@ -177,7 +186,11 @@ def main() -> int:
                     "total_bytes_8k": bits["bytes"] + kv_8k,
                     "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / base - 1),
                     "dppl_se_pct": res.dppl_se_pct, "kl": res.kl,
-                    "top1": res.top1, "tokens": res.tokens, "windows": res.windows})
+                    "top1": res.top1, "nll_delta": res.nll_delta, "tokens": res.tokens,
+                    "windows": res.windows})
+                if args.first_order and m.params is not model.params and spec == tqjax.CacheSpec():
+                    g = first_order_nll(model, m.params, ids, args.ctx_size)
+                    report["rows"][-1] |= {"first_order": g, "nll_rest": res.nll_delta - g}
                 print(json.dumps(report["rows"][-1]), flush=True)
             save()
     print(markdown(report["rows"]))

@@ -132,3 +132,36 @@ def test_sweep_paired_statistics_match_a_direct_computation(model):
     np.testing.assert_allclose(r.kl, np.mean(np.sum(np.exp(ref) * (ref - q), -1)), atol=2e-5)
     assert r.dnll_se > 0 and r.top1 == np.mean(ref.argmax(-1) == q.argmax(-1))
     np.testing.assert_allclose(r.ppl / res["ref"].ppl, np.exp(d.mean()), rtol=1e-4)
+
+
+def test_first_order_nll_is_the_slope_of_the_nll_along_the_weight_errors(model):
+    """weight_errors are the quantized model's real errors (w + Δ reproduces its NLL), and
+    first_order_nll matches a central finite difference of the NLL along them."""
+    import dataclasses
+
+    from tqjax.eval import first_order_nll, sweep, weight_errors
+    from tqjax.models.quantize import WeightSpec, get_path, linear_paths, quantize_params, set_paths
+
+    spec = WeightSpec("int4", quantize_embeddings=True)
+    quantized = quantize_params(model.params, model.config, spec)
+    errors = weight_errors(model.params, quantized)
+    assert set(errors) == {*linear_paths(model.params), "embed"}
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 2 * 16)
+
+    def moved(t):
+        params = set_paths(model.params, {p: get_path(model.params, p) + t * d
+                                          for p, d in errors.items() if p != "embed"})
+        return dataclasses.replace(model, params=params.replace(
+            embed=model.params.embed + t * errors["embed"]))
+
+    def nll(t):
+        return sweep(ids, 16, {"m": (moved(t), tqjax.CacheSpec())})["m"].nll
+
+    q_nll = sweep(ids, 16, {"q": (dataclasses.replace(model, params=quantized),
+                                  tqjax.CacheSpec())})["q"].nll
+    np.testing.assert_allclose(nll(1.0), q_nll, atol=2e-5)
+    eps = 0.05
+    slope = (nll(eps) - nll(-eps)) / (2 * eps)
+    got = first_order_nll(model, quantized, ids, 16)
+    assert abs(slope) > 1e-3  # a slope the check can see
+    np.testing.assert_allclose(got, slope, rtol=0.02, atol=2e-4)
