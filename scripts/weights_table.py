@@ -55,13 +55,12 @@ def markdown(rows: list[dict]) -> str:
                     "| params+KV@8k MiB |" + (" ΔNLL | g·Δ | ΔNLL − g·Δ |" if split else ""),
                     "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if split else "")]
             for r in these:
-                out.append(
-                    f"| {r['run']} | {r['bpw']:.4f} | {r['kv']} | {r['ppl']:.3f} | "
-                    f"{dppl_text(r)} | {r['kl']:.4f} | {r['top1']:.3f} | "
-                    f"{r['total_bytes_8k'] / 2**20:.1f} |"
-                    + (" " + " | ".join(f"{r[k]:+.4f}" if k in r else ""
-                                        for k in ("nll_delta", "first_order", "nll_rest"))
-                       + " |" if split else ""))
+                cells = [r["run"], f"{r['bpw']:.4f}", r["kv"], f"{r['ppl']:.3f}", dppl_text(r),
+                         f"{r['kl']:.4f}", f"{r['top1']:.3f}", f"{r['total_bytes_8k'] / 2**20:.1f}"]
+                if split:
+                    cells += [f"{r[k]:+.4f}" if k in r else ""
+                              for k in ("nll_delta", "first_order", "nll_rest")]
+                out.append("| " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out)
 
