@@ -9,13 +9,17 @@ With `--first-order`, each quantized run's ΔNLL is also split into g·Δ, the f
         --runs int8,int4,tq4 --ctx-size 2048 --max-tokens 8192 --out weights_table.json
 
 Writes the JSON (rewritten atomically after every model and text, so a long run can be read
-while it goes) and a markdown table next to it (`.md`). GPTQ and mixed-precision runs calibrate
-on `tqjax.models.quantize.calibration_corpus()`, which never overlaps the evaluation texts.
+while it goes) and a markdown table next to it (`.md`): one table per model and text, then, for a
+model measured on several texts, one pooled over all of them (every predicted token weighs the
+same). `--report A.json [B.json ...]` only prints the tables of saved runs, merged. GPTQ and
+mixed-precision runs calibrate on `tqjax.models.quantize.calibration_corpus()`, which never
+overlaps the evaluation texts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -41,10 +45,48 @@ RUNS = {
 KV_CONTEXT = 8192
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """Each (model, run, KV) measured on every text of its model, pooled over the texts: ΔPPL
+    from the token-weighted mean ΔNLL (PPL ratio = exp ΔNLL), its standard error from the
+    per-text ones (independent texts), KL and top-1 token-weighted. Runs missing a text are left
+    out. Rows as `markdown` takes them; "text" lists the texts joined by "+"."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        texts = list(dict.fromkeys(r["text"] for r in mine))
+        if len(texts) < 2:
+            continue
+        for key in dict.fromkeys((r["run"], r["kv"]) for r in mine):
+            by_text = {r["text"]: r for r in mine if (r["run"], r["kv"]) == key}
+            if set(by_text) != set(texts):
+                continue
+            parts = [by_text[t] for t in texts]
+            n = sum(r["tokens"] for r in parts)
+            dnll = [math.log1p(r["dppl_pct"] / 100) for r in parts]
+            mean = sum(r["tokens"] * d for r, d in zip(parts, dnll, strict=True)) / n
+            row = {k: parts[0][k] for k in ("model", "run", "kv", "bpw", "total_bytes_8k")
+                   if k in parts[0]}
+            row |= {"text": "+".join(texts), "tokens": n, "dppl_pct": 100 * math.expm1(mean),
+                    "ppl": float("nan"),
+                    "kl": sum(r["tokens"] * r["kl"] for r in parts) / n,
+                    "top1": sum(r["tokens"] * r["top1"] for r in parts) / n}
+            if all(r.get("dppl_se_pct") is not None for r in parts):  # se of each text's ΔNLL
+                se = [r["dppl_se_pct"] / 100 / math.exp(d)
+                      for r, d in zip(parts, dnll, strict=True)]
+                row["dppl_se_pct"] = 100 * math.exp(mean) * math.sqrt(
+                    sum((r["tokens"] * e) ** 2 for r, e in zip(parts, se, strict=True))) / n
+            for k in ("nll_delta", "first_order", "nll_rest"):  # the first-order split, if made
+                if all(k in r for r in parts):
+                    row[k] = sum(r["tokens"] * r[k] for r in parts) / n
+            out.append(row)
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
-    """One table per model and text."""
+    """One table per model and text, then the `pooled` tables (PPL is not shown pooled)."""
     from tqjax.eval import dppl_text
 
+    rows = rows + pooled(rows)
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for text in dict.fromkeys(r["text"] for r in rows if r["model"] == model):
@@ -55,14 +97,35 @@ def markdown(rows: list[dict]) -> str:
                     "| params+KV@8k MiB |" + (" ΔNLL | g·Δ | ΔNLL − g·Δ |" if split else ""),
                     "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if split else "")]
             for r in these:
-                cells = [r["run"], f"{r['bpw']:.4f}", r["kv"], f"{r['ppl']:.3f}", dppl_text(r),
-                         f"{r['kl']:.4f}", f"{r['top1']:.3f}", f"{r['total_bytes_8k'] / 2**20:.1f}"]
+                ppl = "—" if math.isnan(r["ppl"]) else f"{r['ppl']:.3f}"
+                bpw = f"{r['bpw']:.4f}" if "bpw" in r else "—"
+                total = f"{r['total_bytes_8k'] / 2**20:.1f}" if "total_bytes_8k" in r else "—"
+                cells = [r["run"], bpw, r["kv"], ppl, dppl_text(r), f"{r['kl']:.4f}",
+                         f"{r['top1']:.3f}", total]
                 if split:
                     cells += [f"{r[k]:+.4f}" if k in r else ""
                               for k in ("nll_delta", "first_order", "nll_rest")]
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out)
+
+
+def report_rows(paths: list[Path]) -> list[dict]:
+    """The rows of saved weights_table JSON files, merged (the last file wins a duplicate).
+    A row without "kv" but with a first-order split was measured with the dense cache (the
+    split is only made there)."""
+    from tqjax.errors import TqjaxError
+
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        try:
+            for r in json.loads(path.read_text(encoding="utf-8"))["rows"]:
+                if "kv" not in r and "first_order" in r:
+                    r["kv"] = "f32/f32"
+                merged[r["model"], r["text"], r["run"], r["kv"]] = r
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TqjaxError(f"{path}: not a weights_table JSON file ({e!r})") from None
+    return list(merged.values())
 
 
 def main() -> int:
@@ -89,7 +152,13 @@ def main() -> int:
     p.add_argument("--first-order", action="store_true",
                    help="split each quantized run's ΔNLL into g·Δ and the rest (a JVP per window)")
     p.add_argument("--out", type=Path, default=Path("weights_table.json"))
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only print the tables of saved runs (rows merged; a later file's row "
+                        "replaces an earlier one for the same model, text, run and KV)")
     args = p.parse_args()
+    if args.report is not None:
+        print(markdown(report_rows(args.report)))
+        return 0
 
     import dataclasses
 
