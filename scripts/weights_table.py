@@ -43,6 +43,8 @@ RUNS = {
     "mixed-3.5": ("mixed", 3.5, True, False),
 }
 KV_CONTEXT = 8192
+# What every row needs for the tables (the rest is shown where a row has it).
+REPORT_KEYS = ("model", "text", "run", "kv", "dppl_pct", "kl", "top1", "tokens")
 
 
 def pooled(rows: list[dict]) -> list[dict]:
@@ -67,7 +69,6 @@ def pooled(rows: list[dict]) -> list[dict]:
             row = {k: parts[0][k] for k in ("model", "run", "kv", "bpw", "total_bytes_8k")
                    if k in parts[0]}
             row |= {"text": "+".join(texts), "tokens": n, "dppl_pct": 100 * math.expm1(mean),
-                    "ppl": float("nan"),
                     "kl": sum(r["tokens"] * r["kl"] for r in parts) / n,
                     "top1": sum(r["tokens"] * r["top1"] for r in parts) / n}
             if all(r.get("dppl_se_pct") is not None for r in parts):  # se of each text's ΔNLL
@@ -83,7 +84,8 @@ def pooled(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per model and text, then the `pooled` tables (PPL is not shown pooled)."""
+    """One table per model and text, then the `pooled` tables (which have no PPL; a cell a
+    row lacks, as in a hand-made results file, shows "—")."""
     from tqjax.eval import dppl_text
 
     rows = rows + pooled(rows)
@@ -97,7 +99,7 @@ def markdown(rows: list[dict]) -> str:
                     "| params+KV@8k MiB |" + (" ΔNLL | g·Δ | ΔNLL − g·Δ |" if split else ""),
                     "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if split else "")]
             for r in these:
-                ppl = "—" if math.isnan(r["ppl"]) else f"{r['ppl']:.3f}"
+                ppl = f"{r['ppl']:.3f}" if "ppl" in r else "—"
                 bpw = f"{r['bpw']:.4f}" if "bpw" in r else "—"
                 total = f"{r['total_bytes_8k'] / 2**20:.1f}" if "total_bytes_8k" in r else "—"
                 cells = [r["run"], bpw, r["kv"], ppl, dppl_text(r), f"{r['kl']:.4f}",
@@ -111,17 +113,18 @@ def markdown(rows: list[dict]) -> str:
 
 
 def report_rows(paths: list[Path]) -> list[dict]:
-    """The rows of saved weights_table JSON files, merged (the last file wins a duplicate).
-    A row without "kv" but with a first-order split was measured with the dense cache (the
-    split is only made there)."""
+    """The rows of saved weights_table JSON files, merged (the last file wins a duplicate);
+    every row must carry `REPORT_KEYS`."""
     from tqjax.errors import TqjaxError
 
     merged: dict[tuple, dict] = {}
     for path in paths:
         try:
-            for r in json.loads(path.read_text(encoding="utf-8"))["rows"]:
-                if "kv" not in r and "first_order" in r:
-                    r["kv"] = "f32/f32"
+            rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+            for r in rows:
+                missing = [k for k in REPORT_KEYS if k not in r]
+                if missing:
+                    raise KeyError(", ".join(missing))
                 merged[r["model"], r["text"], r["run"], r["kv"]] = r
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TqjaxError(f"{path}: not a weights_table JSON file ({e!r})") from None

@@ -160,21 +160,14 @@ def test_scripts_return_freed_activation_buffers_to_the_os():
     assert retained("1") < 50
 
 
-def _load_script(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_weights_table_pools_texts_by_token():
     """The pooled ΔPPL is the PPL ratio over the union of the texts' tokens, its s.e. that of
     the concatenated per-token NLL differences; a run missing a text is not pooled."""
+    import runpy
+
     import numpy as np
 
-    table = _load_script("weights_table")
+    table = runpy.run_path(str(ROOT / "scripts" / "weights_table.py"))
     rng = np.random.default_rng(0)
     diffs = {"a": rng.normal(0.05, 0.3, 3000), "b": rng.normal(0.01, 0.2, 1000)}  # nats/token
     rows = []
@@ -185,14 +178,14 @@ def test_weights_table_pools_texts_by_token():
                      "top1": 0.9, "dppl_pct": 100 * np.expm1(d.mean()),
                      "dppl_se_pct": 100 * np.exp(d.mean()) * se})
     rows.append(dict(rows[0], run="only-a"))
-    (row,) = table.pooled(rows)
+    (row,) = table["pooled"](rows)
     both = np.concatenate(list(diffs.values()))
     assert row["text"] == "a+b" and row["tokens"] == 4000
     assert row["dppl_pct"] == pytest.approx(100 * np.expm1(both.mean()), rel=1e-9)
     assert row["kl"] == pytest.approx(both.mean() / 2, rel=1e-9)
     se_paired = np.sqrt(sum(d.var(ddof=1) * d.size for d in diffs.values())) / both.size
     assert row["dppl_se_pct"] == pytest.approx(100 * np.exp(both.mean()) * se_paired, rel=1e-3)
-    assert "| q | 4.2500 | f32/f32 | — |" in table.markdown(rows)
+    assert "| q | 4.2500 | f32/f32 | — |" in table["markdown"](rows)
 
 
 def test_weights_table_report_rejects_other_files(tmp_path):
