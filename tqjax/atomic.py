@@ -3,9 +3,12 @@ leaves a partial file (or folder) behind."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,11 +79,48 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the
+    platform or file system cannot, so the caller falls back to two renames."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def recover_dir(dest: str | Path) -> None:
+    """Finish a `replace_dir` that crashed between its two renames (fallback path): a missing
+    `dest` whose previous version still sits at `.<name>.old` gets it back."""
+    dest = Path(dest)
+    old = dest.parent / f".{dest.name}.old"
+    if not dest.exists() and old.is_dir():
+        os.rename(old, dest)
+        fsync_dir(dest.parent)
+
+
 def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     """Build a folder in a temp dir next to `dest` (build(tmp)), fsync its files, then swap it
-    into place (a previous `dest` is replaced)."""
+    into place (a previous `dest` is replaced).
+
+    At every instant `dest` is either the complete previous folder or the complete new one:
+    the swap is one atomic exchange where the OS supports it; elsewhere `dest` is renamed to
+    `.<name>.old` first, and a crash between the two renames is undone by `recover_dir` (which
+    this function, and loaders, call first). The previous folder is deleted only once the new
+    one is in place.
+    """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     old = dest.parent / f".{dest.name}.old"
     try:
@@ -90,13 +130,18 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
                 _fsync_file(f)
         fsync_dir(tmp)
         os.chmod(tmp, 0o755)
-        if old.exists():
-            shutil.rmtree(old)
-        if dest.exists():
-            os.rename(dest, old)
-        os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if not dest.exists():
+        os.rename(tmp, dest)
+    elif _exchange(tmp, dest):
+        old = tmp  # the exchange left the previous folder at tmp
+    else:
+        if old.exists():  # a stale leftover: dest exists, so this is not its only copy
+            shutil.rmtree(old)
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+    fsync_dir(dest.parent)
     shutil.rmtree(old, ignore_errors=True)
     fsync_dir(dest.parent)

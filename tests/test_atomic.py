@@ -1,0 +1,90 @@
+"""`tqjax.atomic.replace_dir`: the destination is always a whole folder, old or new."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tqjax import atomic
+
+
+def _fill(text: str):
+    def build(tmp):
+        (tmp / "a.txt").write_text(text)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.txt").write_text(text * 2)
+
+    return build
+
+
+def _read(d) -> tuple[str, str]:
+    return (d / "a.txt").read_text(), (d / "sub" / "b.txt").read_text()
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replace_dir_swaps_and_cleans_up(tmp_path, monkeypatch, exchange):
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    dest = tmp_path / "ckpt"
+    atomic.replace_dir(dest, _fill("one"))
+    atomic.replace_dir(dest, _fill("two"))
+    assert _read(dest) == ("two", "twotwo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp or .old left
+
+
+def test_failed_build_leaves_previous_folder(tmp_path):
+    dest = tmp_path / "ckpt"
+    atomic.replace_dir(dest, _fill("one"))
+
+    def broken(tmp):
+        (tmp / "a.txt").write_text("partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic.replace_dir(dest, broken)
+    assert _read(dest) == ("one", "oneone")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_crash_between_renames_is_recovered(tmp_path, monkeypatch):
+    """Fallback path (no atomic exchange): a crash after dest was moved aside must not lose the
+    previous folder, and the next replace (or a loader's recover_dir) puts it back first."""
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    dest = tmp_path / "ckpt"
+    atomic.replace_dir(dest, _fill("one"))
+    real_rename, calls = os.rename, []
+
+    def crash_on_second(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("power cut")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.replace_dir(dest, _fill("two"))
+    monkeypatch.setattr(atomic.os, "rename", real_rename)
+    assert not dest.exists()  # the crash window of the two-rename fallback
+    old = tmp_path / ".ckpt.old"
+    assert _read(old) == ("one", "oneone")  # ... but the previous folder is intact
+    atomic.recover_dir(dest)
+    assert _read(dest) == ("one", "oneone")
+    atomic.replace_dir(dest, _fill("three"))
+    assert _read(dest) == ("three", "threethree")
+
+
+def test_stale_old_is_restored_not_deleted(tmp_path, monkeypatch):
+    """A leftover .old with dest missing is the only copy: replace_dir restores it before
+    building, and removes it only after the new folder is in place."""
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    dest, old = tmp_path / "ckpt", tmp_path / ".ckpt.old"
+    old.mkdir()
+    (old / "a.txt").write_text("previous")
+
+    def check_restored(tmp):
+        assert (dest / "a.txt").read_text() == "previous"
+        _fill("new")(tmp)
+
+    atomic.replace_dir(dest, check_restored)
+    assert _read(dest) == ("new", "newnew") and not old.exists()
