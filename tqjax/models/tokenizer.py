@@ -1,5 +1,6 @@
 """Tokenizers: HF `tokenizer.json` (tokenizers), `tokenizer.model` (sentencepiece), and the
-byte-level BPE embedded in GGUF metadata, rebuilt with `tokenizers`. Chat templates use jinja2.
+tokenizers embedded in GGUF metadata (byte-level BPE `gpt2` and SentencePiece BPE `llama`), rebuilt
+with `tokenizers` the way HF transformers' GGUF loader does. Chat templates use jinja2.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqjax.errors import TqjaxError
 
@@ -16,8 +17,42 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_PATTERNS = {"qwen2": QWEN2_PATTERN, "llama-bpe": LLAMA3_PATTERN, "smaug-bpe": LLAMA3_PATTERN}
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+
+
+class PreTokenizer(NamedTuple):
+    """How a byte-level BPE vocabulary splits text before merging."""
+
+    split: str | None  # regex applied first (None: GPT-2's own byte-level regex)
+    digits: bool  # every digit its own piece first (then the GPT-2 regex)
+    ignore_merges: bool  # a piece that is already a token is not merged further
+
+
+_GPT2 = PreTokenizer(None, False, False)
+_DIGITS = PreTokenizer(None, True, False)
+_QWEN2 = PreTokenizer(QWEN2_PATTERN, False, False)
+_LLAMA3 = PreTokenizer(LLAMA3_PATTERN, False, True)
+_LLAMA3_MERGING = PreTokenizer(LLAMA3_PATTERN, False, False)
+# The `tokenizer.ggml.pre` values this module rebuilds, grouped as llama.cpp's src/llama-vocab.cpp
+# groups them (same split regex, same ignore_merges); any other value is an error. One exception:
+# llama.cpp splits "default" (also its choice when the key is missing) with an extra punctuation and
+# 3-digit rule, while HF transformers' GGUF loader, our reference, uses GPT-2's split; we follow HF.
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0",
+                     "mellum", "exaone4", "trillion", "granite-docling"), _GPT2),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                     "minerva-7b", "mellum2"), _DIGITS),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2",
+                     "hunyuan", "solar-open"), _QWEN2),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2"), _LLAMA3),
+    **dict.fromkeys(("smaug-bpe", "dbrx"), _LLAMA3_MERGING),
+}
+# GGUF token types (llama.cpp's llama_token_type, the same numbers as sentencepiece's piece types).
+GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED = 2, 3, 4
+# Architectures whose SentencePiece GGUF vocabulary HF rebuilds with a different normalizer or
+# merge order (transformers' GGUF_SENTENCEPIECE_BUILDERS); not supported here.
+_SENTENCEPIECE_OTHER_ARCHS = ("gemma", "gemma2", "gemma3", "phi3")
+SPIECE_UNDERLINE = "\u2581"
 
 
 @dataclasses.dataclass
@@ -36,13 +71,17 @@ class Tokenizer:
         return not hasattr(self.backend, "encode_batch")
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; a BOS is prepended when the model asks for one."""
+        """Token ids of `text`. By default the tokenizer's own configuration decides the special
+        tokens (a `tokenizers` post-processor: exactly HF's `tokenizer(text).input_ids`; for a
+        sentencepiece model, `add_bos`); add_bos=False adds none, add_bos=True only a BOS."""
         if self.is_sentencepiece:
             ids = list(self.backend.encode(text))
+        elif add_bos is None:
+            return self.backend.encode(text, add_special_tokens=True).ids
         else:
             ids = self.backend.encode(text, add_special_tokens=False).ids
         bos = self.add_bos if add_bos is None else add_bos
-        if bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+        if bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
 
@@ -76,47 +115,135 @@ class Tokenizer:
             raise TqjaxError(f"chat template error: {e}") from None
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
-    """Rebuild the GPT-2-style byte-level BPE tokenizer stored in GGUF metadata."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+def _bos_eos_template(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> Any:
+    """HF's post-processor for add_bos_token/add_eos_token (`update_post_processor` of
+    transformers' TokenizersBackend): `[bos] $A [eos]` with whichever (token, id) is given."""
+    from tokenizers import processors
+
+    def one(seq: str, part: str) -> str:
+        return " ".join([f"{t[0]}:{seq}" for t in (bos,) if t] + [f"${part}:{seq}"]
+                        + [f"{t[0]}:{seq}" for t in (eos,) if t])
+
+    return processors.TemplateProcessing(single=one("0", "A"),
+                                         pair=f"{one('0', 'A')} {one('1', 'B')}",
+                                         special_tokens=[t for t in (bos, eos) if t])
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
+    """GPT-2-style byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with its GGUF pre-tokenizer."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TqjaxError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2'; "
-                         "use the HF directory with tokenizer.json/tokenizer.model instead)")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    name = meta.get("tokenizer.ggml.pre", "default")
+    pre = PRE_TOKENIZERS.get(name)
+    if pre is None:
+        raise TqjaxError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={name!r}; supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                 ignore_merges=meta.get("tokenizer.ggml.pre") == "llama-bpe"))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in
-                                          SPLIT_PATTERNS)
-    if pre in SPLIT_PATTERNS:
-        split = pre_tokenizers.Split(Regex(SPLIT_PATTERNS[pre]), behavior="isolated")
+                                 ignore_merges=pre.ignore_merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.split is None)
+    if pre.split is not None:
+        split = pre_tokenizers.Split(Regex(pre.split), behavior="isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    elif pre == "smollm":
+    elif pre.digits:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    special_ids = [i for i, t in enumerate(types) if t in (GGUF_CONTROL, GGUF_USER_DEFINED)]
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in special_ids])
+    return tok
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces,
+    ranked by the piece's score (best first), ties by longer left then right part, then by the
+    parts' ids -- transformers' `generate_merges`, so the merge order is HF's exactly."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in dict(zip(tokens, scores, strict=True)).items():
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
+    """SentencePiece BPE (`tokenizer.ggml.model == "llama"`) as HF's GGUF loader rebuilds it
+    (transformers LlamaTokenizer): BPE on the pieces with merges from the scores and byte fallback
+    to the `<0xNN>` pieces, spaces written as U+2581 with one prepended to the text
+    (`add_space_prefix`, default on)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    arch = meta.get("general.architecture")
+    if arch in _SENTENCEPIECE_OTHER_ARCHS:
+        raise TqjaxError(f"unsupported GGUF tokenizer: the SentencePiece vocabulary of {arch!r}")
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = sentencepiece_merges(tokens, list(meta["tokenizer.ggml.scores"]))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPIECE_UNDERLINE, prepend_scheme="first" if prefix else "never", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse(),
+         *([decoders.Strip(content=" ", left=1)] if prefix else [])])
+    return tok
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """Rebuild the tokenizer stored in GGUF metadata: byte-level BPE (`gpt2`, with a known
+    `tokenizer.ggml.pre`) or SentencePiece BPE (`llama`), as HF transformers' GGUF loader does."""
+    from tokenizers import AddedToken
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    bos = None if bos is None else int(bos)
+    if kind == "gpt2":
+        tok = _byte_level_bpe(meta, tokens)
+        special_ids = [i for i, t in enumerate(types) if t in (GGUF_CONTROL, GGUF_USER_DEFINED)]
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i in special_ids])
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(meta, tokens)
+        # HF: control pieces and the named bos/eos/unk/pad ids are special, user-defined pieces
+        # are added (matched whole in the text) but not special.
+        named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in
+                 ("bos", "eos", "unknown", "padding")]
+        special_ids = sorted({i for i, t in enumerate(types) if t == GGUF_CONTROL}
+                             | {int(i) for i in named if i is not None})
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i in special_ids])
+        tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == GGUF_USER_DEFINED])
+        # llama.cpp's and HF's default for SentencePiece: add a BOS
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+    else:
+        raise TqjaxError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE 'gpt2' or "
+                         "SentencePiece 'llama'; use the HF directory with tokenizer.json instead)")
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = add_bos and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    # HF builds the post-processor from these flags (and llama.cpp adds the same tokens)
+    tok.post_processor = _bos_eos_template((tokens[bos], bos) if add_bos else None,
+                                           (tokens[int(eos)], int(eos)) if add_eos else None)
     eos_ids = [] if eos is None else [int(eos)]
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is not None and int(eot) not in eos_ids:
         eos_ids.append(int(eot))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
     return Tokenizer(
         backend=tok,
-        bos_id=None if bos is None else int(bos),
+        bos_id=bos,
         eos_ids=tuple(eos_ids),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=add_bos,
         chat_template=meta.get("tokenizer.chat_template"),
         special={tokens[i]: i for i in special_ids},
     )
@@ -143,7 +270,6 @@ def tokenizer_from_hf_dir(path: Path, eos_ids: tuple[int, ...],
         special = {t.content: i for i, t in backend.get_added_tokens_decoder().items()
                    if t.special}
         vocab_id = backend.token_to_id
-        add_bos_default = False
     elif (path / "tokenizer.model").is_file():
         import sentencepiece as spm
 
@@ -151,7 +277,6 @@ def tokenizer_from_hf_dir(path: Path, eos_ids: tuple[int, ...],
         special = {backend.id_to_piece(i): i for i in range(backend.get_piece_size())
                    if backend.is_control(i)}
         vocab_id = backend.piece_to_id
-        add_bos_default = True
     else:
         raise TqjaxError(f"{path} has no tokenizer.json or tokenizer.model")
     bos_tok = _token_content(cfg.get("bos_token"))
@@ -160,6 +285,14 @@ def tokenizer_from_hf_dir(path: Path, eos_ids: tuple[int, ...],
     eos_tok = _token_content(cfg.get("eos_token"))
     if eos_tok is not None and vocab_id(eos_tok) is not None:
         eos_ids = tuple(dict.fromkeys((*eos_ids, vocab_id(eos_tok))))
-    return Tokenizer(backend=backend, bos_id=bos_id, eos_ids=eos_ids,
-                     add_bos=bool(cfg.get("add_bos_token", add_bos_default)),
+    if not hasattr(backend, "encode_batch"):  # sentencepiece
+        add_bos = bool(cfg.get("add_bos_token", True))  # llama.cpp's default for SentencePiece
+    else:
+        # As HF transformers 5 does, tokenizer.json's post-processor alone decides the special
+        # tokens of the default encoding (e.g. Llama 3's TemplateProcessing that prepends
+        # <|begin_of_text|>); HF drops add_bos_token/add_eos_token from tokenizer_config.json
+        # whenever a tokenizer.json is present, and so do we.
+        add_bos = (bos_id is not None
+                   and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id])
+    return Tokenizer(backend=backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
                      chat_template=template, special=special)

@@ -1,0 +1,195 @@
+"""Tokenizer edge cases against HF transformers (golden/tokenizers, made by
+scripts/make_tokenizer_golden.py) and against sentencepiece itself: SentencePiece GGUFs, unknown
+GGUF pre-tokenizers, and the BOS a tokenizer.json's own configuration adds."""
+
+import json
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as pb
+
+from tqjax.errors import TqjaxError
+from tqjax.models.loading import gguf_metadata, open_gguf
+from tqjax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+
+from .conftest import GOLDEN
+
+TOK = GOLDEN / "tokenizers"
+SPM_MODEL = TOK / "spm" / "tokenizer.model"
+# Texts on which sentencepiece and HF agree: no leading whitespace or user-defined piece (HF's
+# Metaspace adds no U+2581 then) and no "<s>"-style control literals (HF matches them whole).
+PLAIN_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "x1y22z333 4444 -5.5e-3 0x1F",
+    "multi   space\t\ttabs\r\nCRLF and trailing  ",
+    "Ωμέγα Привет مرحبا नमस्ते 한국어 ありがとう",
+    "emoji 🦀🧪🏳️‍🌈 and combining é vs é",
+    "ends with newline\n",
+    "a<|user|><|user|>glued<|user|>",
+    "Hamlet: To be, or not to be, that is the question:\nWhether 'tis nobler in the mind",
+]
+
+
+def _proto():
+    proto = pb.ModelProto()
+    proto.ParseFromString(SPM_MODEL.read_bytes())
+    return proto
+
+
+def _write_spm_gguf(path, proto, **extra):
+    """A GGUF with `proto`'s pieces as tokenizer.ggml.* metadata, written by gguf's GGUFWriter."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([p.piece for p in proto.pieces])
+    w.add_token_scores([p.score for p in proto.pieces])
+    w.add_token_types([p.type for p in proto.pieces])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for key, value in extra.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((len(proto.pieces), 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_metadata(open_gguf(path))
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spm") / "tiny.gguf"
+    return tokenizer_from_gguf(_write_spm_gguf(path, _proto(), add_space_prefix=True))
+
+
+# ------------------------------------------------------------------------- SentencePiece GGUFs
+def test_sentencepiece_gguf_matches_hf(spm_gguf):
+    golden = json.loads((TOK / "spm.json").read_text())
+    assert golden["hf_add_bos_token"] and spm_gguf.add_bos and spm_gguf.bos_id == 1
+    for item in golden["items"]:
+        text = item["text"]
+        assert spm_gguf.encode(text) == item["hf_ids"], text
+        assert spm_gguf.encode(text, add_bos=False) == item["hf_ids_no_special"], text
+        assert spm_gguf.encode(text, add_bos=True) == [1, *item["hf_ids_no_special"]], text
+        assert spm_gguf.decode(item["hf_ids_no_special"]) == item["hf_decoded"], text
+        assert (spm_gguf.decode(item["hf_ids"], skip_special=False)
+                == item["hf_decoded_with_special"]), text
+    # where HF itself departs from sentencepiece (leading spaces, "<s>" typed in the text)
+    differ = [i["text"] for i in golden["items"]
+              if i["hf_ids_no_special"] != i["sentencepiece_ids"]]
+    assert differ == ["<s>literal</s> and <unk> markers", " leading space", "  two leading spaces",
+                      " "]
+
+
+def test_sentencepiece_gguf_matches_sentencepiece(spm_gguf):
+    sp = spm.SentencePieceProcessor(model_file=str(SPM_MODEL))
+    golden = json.loads((TOK / "spm.json").read_text())
+    texts = PLAIN_TEXTS + [i["text"] for i in golden["items"]
+                           if i["hf_ids_no_special"] == i["sentencepiece_ids"]]
+    for text in texts:
+        ids = sp.encode(text)
+        assert spm_gguf.encode(text, add_bos=False) == ids, text
+        assert spm_gguf.decode(ids) == sp.decode(ids) == text, text
+    # the byte fallback is really exercised: characters never seen in training become <0xNN>
+    ids = spm_gguf.encode("🦀🧪", add_bos=False)
+    assert [sp.id_to_piece(i) for i in ids] == ["\u2581"] + [
+        f"<0x{b:02X}>" for b in "🦀🧪".encode()]
+
+
+def test_sentencepiece_gguf_without_space_prefix(tmp_path):
+    proto = _proto()
+    tok = tokenizer_from_gguf(_write_spm_gguf(tmp_path / "t.gguf", proto, add_space_prefix=False,
+                                              add_bos_token=False))
+    proto.normalizer_spec.add_dummy_prefix = False
+    sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    for text in PLAIN_TEXTS:
+        assert tok.encode(text) == sp.encode(text), text  # no BOS: add_bos_token false
+        assert tok.decode(sp.encode(text)) == text
+    assert tok.encode("Hello")[0] != tokenizer_from_gguf(
+        _write_spm_gguf(tmp_path / "u.gguf", _proto())).encode("Hello", add_bos=False)[0]
+
+
+def test_sentencepiece_gguf_saved_as_tokenizer_json(spm_gguf, tmp_path):
+    spm_gguf.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    again = tokenizer_from_hf_dir(tmp_path, (), None)
+    assert (again.bos_id, again.add_bos) == (1, True)
+    for text in PLAIN_TEXTS:
+        assert again.encode(text) == spm_gguf.encode(text)
+        assert again.decode(again.encode(text)) == text
+
+
+def test_gguf_tokenizer_errors():
+    proto = _proto()
+    meta = {"tokenizer.ggml.model": "llama", "general.architecture": "gemma",
+            "tokenizer.ggml.tokens": [p.piece for p in proto.pieces],
+            "tokenizer.ggml.scores": [p.score for p in proto.pieces]}
+    with pytest.raises(TqjaxError, match="'gemma'"):
+        tokenizer_from_gguf(meta)
+    with pytest.raises(TqjaxError, match="'bert'"):
+        tokenizer_from_gguf({**meta, "tokenizer.ggml.model": "bert"})
+
+
+# ------------------------------------------------------------------------ GGUF pre-tokenizers
+def _bpe_meta(pre):
+    alphabet = [chr(c) for c in range(33, 127)] + ["Ġ"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": alphabet,
+            "tokenizer.ggml.merges": []}
+    return meta if pre is None else {**meta, "tokenizer.ggml.pre": pre}
+
+
+def test_unknown_pretokenizer_is_an_error():
+    with pytest.raises(TqjaxError) as err:
+        tokenizer_from_gguf(_bpe_meta("made-up-bpe"))
+    msg = str(err.value)
+    assert "\n" not in msg and "'made-up-bpe'" in msg
+    assert all(name in msg for name in ("qwen2", "llama-bpe", "smaug-bpe", "smollm", "gpt-2"))
+
+
+# Pieces of "I'm 12345 ok!!\n\n  x" under each split, written out from the regexes in llama.cpp's
+# src/llama-vocab.cpp (GPT-2: ` ?\p{N}+`; Qwen2: `\p{N}`; Llama 3: `\p{N}{1,3}` and
+# ` ?[^\s\p{L}\p{N}]+[\r\n]*`; SmolLM: digits one by one, then GPT-2).
+TEXT = "I'm 12345 ok!!\n\n  x"
+GPT2_PIECES = ["I", "'m", " 12345", " ok", "!!", "\n\n ", " x"]
+QWEN2_PIECES = ["I", "'m", " ", "1", "2", "3", "4", "5", " ok", "!!\n\n", " ", " x"]
+LLAMA3_PIECES = ["I", "'m", " ", "123", "45", " ok", "!!\n\n", " ", " x"]
+SMOLLM_PIECES = ["I", "'m", " ", "1", "2", "3", "4", "5", " ok", "!!", "\n\n ", " x"]
+
+
+@pytest.mark.parametrize("pre,pieces", [
+    (None, GPT2_PIECES), ("default", GPT2_PIECES), ("gpt-2", GPT2_PIECES),
+    ("qwen2", QWEN2_PIECES), ("deepseek-r1-qwen", QWEN2_PIECES),
+    ("llama-bpe", LLAMA3_PIECES), ("llama3", LLAMA3_PIECES), ("smaug-bpe", LLAMA3_PIECES),
+    ("smollm", SMOLLM_PIECES), ("starcoder", SMOLLM_PIECES)])
+def test_known_pretokenizers_split_as_llama_cpp(pre, pieces):
+    tok = tokenizer_from_gguf(_bpe_meta(pre))
+    got = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str(TEXT)]
+    byte_level = {" ": "Ġ", "\n": "Ċ"}
+    assert got == ["".join(byte_level.get(c, c) for c in p) for p in pieces]
+
+
+# ------------------------------------------------------------ BOS from the tokenizer's own config
+@pytest.mark.parametrize("case", json.loads((TOK / "llama3.json").read_text())["cases"])
+def test_llama3_tokenizer_json_bos_matches_hf(case, tmp_path):
+    golden = json.loads((TOK / "llama3.json").read_text())
+    spec = golden["cases"][case]
+    tj = json.loads((TOK / "llama3" / "tokenizer.json").read_text())
+    if not spec["post_processor"]:
+        tj["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": golden["bos_token"], "eos_token": golden["eos_token"],
+         "tokenizer_class": "PreTrainedTokenizerFast", **spec["config"]}))
+    tok = tokenizer_from_hf_dir(tmp_path, (), None)
+    bos = tok.backend.token_to_id(golden["bos_token"])
+    assert tok.bos_id == bos and tok.add_bos == spec["post_processor"]
+    for item in spec["items"]:
+        text = item["text"]
+        assert tok.encode(text) == item["hf_ids"], text
+        assert tok.encode(text, add_bos=False) == item["hf_ids_no_special"], text
+        assert tok.encode(text, add_bos=True) == [bos, *item["hf_ids_no_special"]], text
+    # Llama 3: the BOS is there by default, from the post-processor
+    assert (tok.encode("Hello")[0] == bos) == spec["post_processor"]
