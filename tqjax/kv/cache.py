@@ -28,6 +28,9 @@ from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.quant.turboquant import make_prod_quantizer, make_split_quantizer
 
 DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+BLOCK = 512  # cache slots per step of the XLA attention loop
+NEG = -1e30  # masked score; finite so that exp(NEG − m) is 0 without inf − inf
+Window = tuple[jax.Array, jax.Array, jax.Array]  # exact recent keys, values f32, positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,18 +325,61 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
                                                      bound=bound[:, 0], window=window)
         return out[:, None].astype(q.dtype), layer
     qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
-    s = kvs.scores(layer.k, qg) * (1.0 / hd**0.5)  # [B, KV, G*T, S]
-    visible = jnp.arange(s.shape[-1])[None, None, :] <= bound[:, :, None]  # [B, G*T, S]
-    s, slots = jnp.where(visible[:, None], s, -jnp.inf), s.shape[-1]
-    if window is not None:
-        wk, wv, wpos = window
-        sw = jnp.einsum("bknd,bkwd->bknw", qg.astype(jnp.float32), wk) * (1.0 / hd**0.5)
-        near = ((wpos[:, None, :] > bound[:, :, None]) & (wpos[:, None, :] <= qpos[:, :, None])
-                & (wpos[:, None, :] >= 0))  # [B, G*T, N+T]
-        s = jnp.concatenate([s, jnp.where(near[:, None], sw, -jnp.inf)], axis=-1)
-    p = jax.nn.softmax(s, axis=-1)
-    out = kvs.mix(layer.v, p[..., :slots])  # [B, KV, G*T, hd]
-    if window is not None:
-        out = out + jnp.einsum("bknw,bkwd->bknd", p[..., slots:], window[1])
+    out = blockwise_attention(layer.k, layer.v, qg, bound, qpos, window)  # [B, KV, G*T, hd]
     out = out.reshape(b, kvh, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
     return out.astype(q.dtype), layer
+
+
+def attention_block(slots: int) -> int:
+    """Slots per step of `blockwise_attention` for a cache of `slots` slots."""
+    return min(BLOCK, slots)
+
+
+def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: jax.Array,
+                        qpos: jax.Array, window: Window | None = None) -> jax.Array:
+    """Softmax attention of q [B, KV, N, hd] (N = G·T query rows) over the stores, one block of
+    `attention_block(S)` slots at a time with an online softmax (flash-decoding in XLA).
+
+    Store slot s is visible to row n iff s <= bound[b, n] (int32 [B, N]); `window` = exact keys,
+    values f32 [B, KV, W, hd] and positions int32 [B, W] (-1: none), those at positions in
+    (bound, qpos] visible (qpos int32 [B, N]: each row's position). Only blocks up to the largest
+    bound are read, and each block is dequantized (or scored in the store's basis) on its own:
+    no [S, hd] f32 copy of a store and no [N, S] score matrix. Returns f32 [B, KV, N, hd].
+    """
+    b, kvh, n, hd = q.shape
+    scale = 1.0 / hd**0.5
+    slots = jax.tree_util.tree_leaves(k_store)[0].shape[2]
+    size = attention_block(slots)
+    if window is None:  # start from an empty softmax partial
+        m = jnp.full((b, kvh, n), NEG, jnp.float32)
+        lsum = jnp.zeros((b, kvh, n), jnp.float32)
+        acc = jnp.zeros((b, kvh, n, hd), jnp.float32)
+    else:  # the exact recent rows are the first partial
+        wk, wv, wpos = window
+        near = ((wpos[:, None, :] > bound[:, :, None]) & (wpos[:, None, :] <= qpos[:, :, None])
+                & (wpos[:, None, :] >= 0))[:, None]  # [B, 1, N, W]
+        sw = jnp.einsum("bknd,bkwd->bknw", q.astype(jnp.float32), wk) * scale
+        sw = jnp.where(near, sw, NEG)
+        m = jnp.max(sw, axis=-1)
+        pw = jnp.where(near, jnp.exp(sw - m[..., None]), 0.0)
+        lsum, acc = jnp.sum(pw, axis=-1), jnp.einsum("bknw,bkwd->bknd", pw, wv)
+
+    def step(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        m, lsum, acc = carry
+        lo = jnp.minimum(i * size, slots - size)  # the last block may overlap the one before
+        idx = lo + jnp.arange(size)  # [size] cache slots of this block
+        visible = ((idx[None, None, :] >= i * size) & (idx[None, None, :] <= bound[:, :, None])
+                   )[:, None]  # [B, 1, N, size]
+        s = kvs.scores(kvs.block(k_store, lo, size), q, lo) * scale  # [B, KV, N, size]
+        s = jnp.where(visible, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+        lsum = lsum * correction + jnp.sum(p, axis=-1)
+        acc = acc * correction[..., None] + kvs.mix(kvs.block(v_store, lo, size), p, lo)
+        return m_new, lsum, acc
+
+    live = jnp.max(bound) + 1  # slots any row can see
+    n_blocks = jnp.clip((live + size - 1) // size, 0, -(-slots // size))
+    _, lsum, acc = jax.lax.fori_loop(0, n_blocks, step, (m, lsum, acc))
+    return acc / lsum[..., None]

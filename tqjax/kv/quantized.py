@@ -63,6 +63,11 @@ def _(store: Int8Store, x: jax.Array, start: jax.Array) -> Int8Store:
     return Int8Store(kvs.write_rows(store.q, q, start), kvs.write_rows(store.scale, scale, start))
 
 
+@kvs.block.register
+def _(store: Int8Store, lo: jax.Array, size: int) -> Int8Store:
+    return Int8Store(kvs.slot_block(store.q, lo, size), kvs.slot_block(store.scale, lo, size))
+
+
 # ---------------------------------------------------------------- affine int4, groups of 32
 
 
@@ -97,6 +102,12 @@ def _(store: Int4Store, x: jax.Array, start: jax.Array) -> Int4Store:
     return Int4Store(kvs.write_rows(store.packed, pack_bits(q, 4), start),
                      kvs.write_rows(store.step, step, start), kvs.write_rows(store.lo, lo, start),
                      g)
+
+
+@kvs.block.register
+def _(store: Int4Store, lo: jax.Array, size: int) -> Int4Store:
+    return Int4Store(kvs.slot_block(store.packed, lo, size), kvs.slot_block(store.step, lo, size),
+                     kvs.slot_block(store.lo, lo, size), store.group)
 
 
 # ---------------------------------------------------------------- TurboQuant
@@ -195,55 +206,59 @@ def _(store: TurboStore, x: jax.Array, start: jax.Array) -> TurboStore:
         scale=kvs.write_rows(store.scale, scale.astype(SCALE_DTYPE), start))
 
 
-def _to_basis(store: TurboStore, x: jax.Array) -> jax.Array:
-    """Original-space vectors [..., KV, hd] -> the store's scoring basis Π(x / s)."""
-    if store.chan_scale is not None:
-        x = x / store.chan_scale
-    return rotate(x, store.quantizer.rotation)
+@kvs.block.register
+def _(store: TurboStore, lo: jax.Array, size: int) -> TurboStore:
+    cut = lambda x: None if x is None else kvs.slot_block(x, lo, size)  # noqa: E731
+    return store.replace(packed=cut(store.packed), scale=cut(store.scale),
+                         qjl_signs=cut(store.qjl_signs), qjl_norm=cut(store.qjl_norm))
 
 
-def _effective_rotated(store: TurboStore) -> jax.Array:
-    """Every slot in the scoring basis Π(x / s), f32 [B, KV, S, hd]: the quantized code plus the
-    centre, with dense sink slots substituted. One [S, hd] pass per layer and head, so attention
-    is a single product against the query (the Pallas kernel avoids even this)."""
-    x = _turbo_rotated(store)
-    if store.center is not None:
-        centre = _centre_at(store, jnp.arange(x.shape[2]))  # [S, KV, hd]
-        x = x + _to_basis(store, centre).transpose(1, 0, 2)[None]
-    if store.sink is not None:
-        n = store.sink.shape[2]
-        sink = _to_basis(store, store.sink.astype(jnp.float32).transpose(0, 2, 1, 3))
-        x = x.at[:, :, :n].set(sink.transpose(0, 2, 1, 3))
-    return x
-
-
-def _qjl_rows(store: TurboStore) -> jax.Array:
-    """QJL residual estimates with sink slots zeroed (those are exact), f32 [B, KV, S, hd]."""
-    terms = _qjl_terms(store)
-    return terms if store.sink is None else terms.at[:, :, : store.sink.shape[2]].set(0.0)
+def _sink_onehot(store: TurboStore, slots: jax.Array) -> jax.Array:
+    """f32 [S, n_sink]: 1 where the store's slot (cache slot `slots` [S]) is sink slot i."""
+    return (slots[:, None] == jnp.arange(store.sink.shape[2])[None, :]).astype(jnp.float32)
 
 
 @kvs.scores.register
-def _(store: TurboStore, q: jax.Array) -> jax.Array:
+def _(store: TurboStore, q: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """⟨Π(q∘s), scale·c⟩ (+ the QJL estimate ⟨S(q∘s), r̃⟩) + ⟨q, R_slot μ⟩ for centred keys;
+    sink slots score q·sink exactly."""
     qs = q.astype(jnp.float32)
-    if store.chan_scale is not None:
-        qs = qs * store.chan_scale[None, :, None, :]
-    s = jnp.einsum("bknd,bksd->bkns", rotate(qs, store.quantizer.rotation),
-                   _effective_rotated(store))
+    qb = qs if store.chan_scale is None else qs * store.chan_scale[None, :, None, :]
+    s = jnp.einsum("bknd,bksd->bkns", rotate(qb, store.quantizer.rotation), _turbo_rotated(store))
     if store.qjl is not None:
-        s = s + jnp.einsum("bknd,bksd->bkns", qs @ store.qjl.T, _qjl_rows(store))
+        s = s + jnp.einsum("bknd,bksd->bkns", qb @ store.qjl.T, _qjl_terms(store))
+    slots = first + jnp.arange(store.scale.shape[2])  # [S] cache slot of each store slot
+    if store.center is not None:
+        s = s + jnp.einsum("bknd,skd->bkns", qs, _centre_at(store, slots))
+    if store.sink is not None:
+        onehot = _sink_onehot(store, slots)
+        exact = jnp.einsum("bknd,bkid->bkni", qs, store.sink.astype(jnp.float32))
+        s = jnp.where(jnp.sum(onehot, -1) > 0, jnp.einsum("bkni,si->bkns", exact, onehot), s)
     return s
 
 
 @kvs.mix.register
-def _(store: TurboStore, p: jax.Array) -> jax.Array:
-    out = unrotate(jnp.einsum("bkns,bksd->bknd", p, _effective_rotated(store)),
+def _(store: TurboStore, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """Σ p·scale·c accumulated in the rotated space and rotated back (+ QJL), the centre added
+    back as Σ p·μ; sink slots mix their exact rows."""
+    slots = first + jnp.arange(store.scale.shape[2])  # [S]
+    exact = None
+    if store.sink is not None:
+        onehot = _sink_onehot(store, slots)
+        exact = jnp.einsum("bkns,si,bkid->bknd", p, onehot, store.sink.astype(jnp.float32))
+        p = jnp.where(jnp.sum(onehot, -1) > 0, 0.0, p)
+    out = unrotate(jnp.einsum("bkns,bksd->bknd", p, _turbo_rotated(store)),
                    store.quantizer.rotation)
     if store.qjl is not None:
-        out = out + jnp.einsum("bkns,bksd->bknd", p, _qjl_rows(store)) @ store.qjl
+        out = out + jnp.einsum("bkns,bksd->bknd", p, _qjl_terms(store)) @ store.qjl
     if store.chan_scale is not None:  # (keys only in practice) undo the basis scaling
         out = out * store.chan_scale[None, :, None, :]
-    return out
+    if store.center is not None:
+        if store.inv_freq is None:  # a constant centre: (Σ p) μ
+            out = out + jnp.sum(p, -1)[..., None] * store.center[None, :, None, :]
+        else:
+            out = out + jnp.einsum("bkns,skd->bknd", p, _centre_at(store, slots))
+    return out if exact is None else out + exact
 
 
 # ---------------------------------------------------------------- shared score/mix for
@@ -252,11 +267,11 @@ def _(store: TurboStore, p: jax.Array) -> jax.Array:
 
 def _register_reconstructing(cls: type, values: object) -> None:
     @kvs.scores.register(cls)
-    def _(store: object, q: jax.Array) -> jax.Array:
+    def _(store: object, q: jax.Array, first: jax.Array | int = 0) -> jax.Array:
         return jnp.einsum("bknd,bksd->bkns", q.astype(jnp.float32), values(store))
 
     @kvs.mix.register(cls)
-    def _(store: object, p: jax.Array) -> jax.Array:
+    def _(store: object, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
         return jnp.einsum("bkns,bksd->bknd", p, values(store))
 
 

@@ -1,13 +1,17 @@
 """Per-layer storage of keys or values, one pytree type per cache format.
 
 Every store holds `[B, KV, S, ...]` arrays for a batch `B`, `KV` heads and `S` cache slots and
-implements three pure functions, dispatched on the store type:
+implements four pure functions, dispatched on the store type:
 
 - `write(store, x, start)`: x [B, KV, T, hd] written at slots start[b] .. start[b] + T - 1.
-- `scores(store, q)`: q [B, KV, N, hd] -> q·k for every slot, f32 [B, KV, N, S].
-- `mix(store, p)`: p f32 [B, KV, N, S] -> sum_s p[s] v[s], f32 [B, KV, N, hd].
+- `block(store, lo, size)`: the slots lo .. lo + size - 1 as a store of `size` slots (every
+  per-slot array sliced along axis 2; per-layer constants such as sink slots kept whole).
+- `scores(store, q, first)`: q [B, KV, N, hd] -> q·k for every slot, f32 [B, KV, N, S], where
+  the store's slot i is cache slot first + i (a `block`; 0 for a whole store).
+- `mix(store, p, first)`: p f32 [B, KV, N, S] -> sum_s p[s] v[s], f32 [B, KV, N, hd].
 
-Compressed stores never build a dequantized copy of the whole cache in `scores`/`mix`.
+Attention (`tqjax.kv.cache.attend`) walks the live slots one `block` at a time, so `scores` and
+`mix` only ever see one block: no store builds a dequantized copy of the whole cache.
 """
 
 from __future__ import annotations
@@ -20,13 +24,20 @@ from flax import struct
 
 
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B, KV, T, ...] into buf [B, KV, S, ...] at slot start[b] per batch row."""
+    """Write new [B, KV, T, ...] into buf [B, KV, S, ...] at slot start[b] per batch row.
 
-    def one(b: jax.Array, n: jax.Array, s: jax.Array) -> jax.Array:
-        idx = (0, s) + (0,) * (b.ndim - 2)
-        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), idx)
+    One `dynamic_update_slice` per row (B is static and small): each updates the donated
+    buffer in place, where a vmapped update would become a scatter."""
+    tail = (0,) * (buf.ndim - 3)
+    for b in range(buf.shape[0]):
+        buf = jax.lax.dynamic_update_slice(buf, new[b:b + 1].astype(buf.dtype),
+                                           (b, 0, start[b], *tail))
+    return buf
 
-    return jax.vmap(one)(buf, new, start)
+
+def slot_block(x: jax.Array, lo: jax.Array, size: int) -> jax.Array:
+    """Slots lo .. lo + size - 1 of a per-slot array x [B, KV, S, ...] (lo + size <= S)."""
+    return jax.lax.dynamic_slice_in_dim(x, lo, size, axis=2)
 
 
 @struct.dataclass
@@ -42,12 +53,17 @@ def write(store: object, x: jax.Array, start: jax.Array) -> object:
 
 
 @functools.singledispatch
-def scores(store: object, q: jax.Array) -> jax.Array:
+def block(store: object, lo: jax.Array, size: int) -> object:
     raise TypeError(f"no KV store implementation for {type(store).__name__}")
 
 
 @functools.singledispatch
-def mix(store: object, p: jax.Array) -> jax.Array:
+def scores(store: object, q: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    raise TypeError(f"no KV store implementation for {type(store).__name__}")
+
+
+@functools.singledispatch
+def mix(store: object, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     raise TypeError(f"no KV store implementation for {type(store).__name__}")
 
 
@@ -56,14 +72,19 @@ def _(store: DenseStore, x: jax.Array, start: jax.Array) -> DenseStore:
     return DenseStore(write_rows(store.data, x, start))
 
 
+@block.register
+def _(store: DenseStore, lo: jax.Array, size: int) -> DenseStore:
+    return DenseStore(slot_block(store.data, lo, size))
+
+
 @scores.register
-def _(store: DenseStore, q: jax.Array) -> jax.Array:
+def _(store: DenseStore, q: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     k = store.data.astype(q.dtype)
     return jnp.einsum("bknd,bksd->bkns", q, k, preferred_element_type=jnp.float32)
 
 
 @mix.register
-def _(store: DenseStore, p: jax.Array) -> jax.Array:
+def _(store: DenseStore, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     v = store.data
     return jnp.einsum("bkns,bksd->bknd", p.astype(v.dtype), v,
                       preferred_element_type=jnp.float32)
