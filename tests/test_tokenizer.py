@@ -112,6 +112,14 @@ def test_sentencepiece_gguf_without_space_prefix(tmp_path):
         _write_spm_gguf(tmp_path / "u.gguf", _proto())).encode("Hello", add_bos=False)[0]
 
 
+def test_sentencepiece_gguf_add_eos(tmp_path):
+    tok = tokenizer_from_gguf(_write_spm_gguf(tmp_path / "t.gguf", _proto(), add_eos_token=True))
+    sp = spm.SentencePieceProcessor(model_file=str(SPM_MODEL))
+    for text in PLAIN_TEXTS:
+        assert tok.encode(text) == [1, *sp.encode(text), 2], text
+        assert tok.encode(text, add_bos=False) == sp.encode(text), text
+
+
 def test_sentencepiece_gguf_saved_as_tokenizer_json(spm_gguf, tmp_path):
     spm_gguf.backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))

@@ -48,7 +48,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("smaug-bpe", "dbrx"), _LLAMA3_MERGING),
 }
 # GGUF token types (llama.cpp's llama_token_type, the same numbers as sentencepiece's piece types).
-GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED = 2, 3, 4
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 # Architectures whose SentencePiece GGUF vocabulary HF rebuilds with a different normalizer or
 # merge order (transformers' GGUF_SENTENCEPIECE_BUILDERS); not supported here.
 _SENTENCEPIECE_OTHER_ARCHS = ("gemma", "gemma2", "gemma3", "phi3")
@@ -62,7 +62,7 @@ class Tokenizer:
     backend: Any  # tokenizers.Tokenizer or sentencepiece.SentencePieceProcessor
     bos_id: int | None
     eos_ids: tuple[int, ...]
-    add_bos: bool
+    add_bos: bool  # the default encoding starts with the BOS
     chat_template: str | None
     special: dict[str, int] = dataclasses.field(default_factory=dict)
 
