@@ -515,6 +515,7 @@ def main() -> int:
     tq |= roofline(tq["bytes_per_step"], bandwidth["copy_gbps"],
                    tq["decode_ms_per_token"] / 1000)
     cfg = model.config
+    types = weight_types(model.params)
     result = {
         "schema": SCHEMA, "label": args.label,
         "model": Path(path).name.removesuffix(".gguf"), "model_path": path,
@@ -526,7 +527,9 @@ def main() -> int:
         "kv": spec.k if spec.k == spec.v else f"{spec.k}/{spec.v}",
         "prompt_tokens": args.prompt_tokens, "context": context, "slots": slots,
         "decode_tokens": args.decode_tokens, "repeats": args.repeats,
-        "weight_types": weight_types(model.params),
+        "weight_types": types,
+        "weights_loaded": ("dense" if set(types.values()) <= {"ArrayImpl"}
+                           else "+".join(sorted(set(types.values()) - {"ArrayImpl"}))),
         "config": {"layers": cfg.num_layers, "heads": cfg.num_heads,
                    "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                    "vocab": cfg.vocab_size, "tied_embeddings": cfg.tie_embeddings},

@@ -1,0 +1,191 @@
+"""scripts/bench.py, bench_sweep.py and plot.py: the bytes-per-step and roofline arithmetic
+against a hand computation on the tiny Llama, the JSON schema, one-line errors for bad flags,
+the sweep's plan and skipping, and the plots. No timing is asserted."""
+
+import json
+import runpy
+import shutil
+
+import pytest
+
+from .conftest import GOLDEN, ROOT
+from .test_cli import assert_user_error, run
+
+TINY = GOLDEN / "tiny" / "llama"  # untied head, 2 layers, 2 KV heads of 16, vocab 256, d 64
+SIZES = ("--prompt-tokens", 8, "--context", 32, "--decode-tokens", 2, "--repeats", 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from .test_cli import make_byte_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny") / "llama"
+    shutil.copytree(TINY, d)
+    make_byte_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def bench_json(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny" / "run.json"
+    proc = run("bench.py", "--model", tiny_model, *SIZES, "--bandwidth", 10, "--out", out,
+               "--peers", "hf", "--label", "context")
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = json.loads(out.read_text())
+    assert printed == saved
+    return saved
+
+
+def test_bench_bytes_per_step_by_hand(bench_json):
+    """Parameter bytes from the safetensors file, the untied embedding counted one row, the f32
+    cache's live bytes from the shapes."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(TINY / "model.safetensors"))
+    cfg = json.loads((TINY / "config.json").read_text())
+    hd, vocab, d = cfg["head_dim"], cfg["vocab_size"], cfg["hidden_size"]
+    params = 4 * sum(t.size for t in tensors.values()) + 4 * hd // 2  # + rope inv_freq, f32
+    embed = 4 * vocab * d
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * hd * 4  # K+V, f32
+    live_length = 32 + 3 + (2 - 1) / 2  # timed steps at positions 34, 35 read 35, 36 tokens
+    t = bench_json["tqjax"]
+    assert t["param_bytes"] == params
+    assert t["param_read_bytes"] == params - embed + embed // vocab
+    assert t["live_length"] == live_length
+    assert t["live_cache_bytes"] == round(per_token * live_length)
+    assert t["bytes_per_step"] == t["param_read_bytes"] + t["live_cache_bytes"]
+    roof_s = t["bytes_per_step"] / 10e9
+    assert t["roofline_ms_per_token"] == pytest.approx(1000 * roof_s, abs=1e-3)
+    assert t["roofline_fraction"] == pytest.approx(
+        roof_s / (t["decode_ms_per_token"] / 1000), rel=1e-3, abs=1e-4)
+
+
+def test_bench_json_schema(bench_json):
+    import jax
+
+    r = bench_json
+    assert r["schema"] == "tqjax-bench/1" and r["label"] == "context"
+    assert len(r["commit"]) == 40 and isinstance(r["dirty"], bool)
+    assert r["jax"] == jax.__version__
+    assert r["machine"]["cpu_count"] >= 1 and r["machine"]["cpu"]
+    assert r["bandwidth"]["copy_gbps"] == 10
+    assert (r["prompt_tokens"], r["context"], r["decode_tokens"]) == (8, 32, 2)
+    assert r["slots"] == 32 + 2 + 2
+    assert r["kv"] == "f32" and r["weights"] == "none" and r["weights_loaded"] == "dense"
+    t = r["tqjax"]
+    for key in ("prefill_tok_s", "decode_tok_s", "decode_ms_per_token", "cache_alloc_bytes",
+                "load_s", "roofline_tok_s"):
+        assert t[key] > 0, key
+    assert t["cache_alloc_bytes"] == r["config"]["layers"] * 2 * 2 * 16 * 4 * r["slots"]
+    assert t["peak_rss_bytes"] >= t["rss_after_load_bytes"] > t["rss_start_bytes"] > 0
+    assert len(t["decode_tok_s_runs"]) == 1
+    assert r["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    # HF on a weights-only directory without transformers, or a real run: never a crash
+    hf = r["peers"]["hf"]
+    assert "decode_tok_s" in hf or "note" in hf or "error" in hf
+
+
+def test_bench_slots(tiny_model):
+    proc = run("bench.py", "--model", tiny_model, *SIZES, "--slots", 200, "--bandwidth", 10)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["slots"] == 200
+    assert r["tqjax"]["cache_alloc_bytes"] == 2 * 2 * 2 * 16 * 4 * 200
+    assert r["tqjax"]["live_length"] == 32 + 3 + 0.5  # the live context, not the allocation
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--slots", 10), "--slots 10 is too few"),
+    (("--context", 4), "shorter than --prompt-tokens"),
+    (("--peers", "hf,vllm"), "unknown peer 'vllm'"),
+    (("--bandwidth", 0), "--bandwidth must be > 0"),
+    (("--repeats", 0), "must be >= 1"),
+    (("--context", 300), "exceeds the model's 256 positions"),
+])
+def test_bench_bad_flags(tiny_model, args, needle):
+    base = dict(zip(SIZES[::2], SIZES[1::2], strict=True)) | {"--bandwidth": 10}
+    base |= dict(zip(args[::2], args[1::2], strict=True))
+    proc = run("bench.py", "--model", tiny_model, *[x for kv in base.items() for x in kv])
+    assert_user_error(proc, needle.lower())
+
+
+def test_roofline_arithmetic():
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench.py"))
+    # 1 GB at 10 GB/s is 0.1 s; measured 0.2 s per step -> half the roofline, 10 tok/s at best
+    assert bench["roofline"](1e9, 10.0, 0.2) == {
+        "roofline_ms_per_token": 100.0, "roofline_tok_s": 10.0, "roofline_fraction": 0.5}
+    assert bench["mean_live_length"](1000, 1) == 1003
+
+
+def test_missing_peer_is_a_note():
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench.py"))
+    bench["PEER_MODULES"]["llamacpp"] = ("no_such_module_tqjax",)
+    note = bench["run_peer"]("llamacpp", "x.gguf", 8, 8, 1, 1)
+    assert set(note) == {"note"} and "no_such_module_tqjax" in note["note"]
+    bench["PEER_MODULES"]["llamacpp"] = ("json",)  # installed: the model is checked next
+    assert bench["run_peer"]("llamacpp", "/some/dir", 8, 8, 1, 1) == {
+        "note": "llama.cpp needs a .gguf model"}
+
+
+def test_sweep_plan_and_skip(tmp_path):
+    import argparse
+
+    from tqjax.cli import add_model_args
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    choices = next(a.choices for a in p._actions if "--weights" in a.option_strings)
+    proc = run("bench_sweep.py", "--preset", "context,slots,weights,peers", "--quick",
+               "--models", "smollm2-135m-instruct", "--out", tmp_path, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    names = [ln.split()[1] for ln in lines]
+    assert all(ln.startswith("todo") for ln in lines)
+    kvs = {ln.split("--kv ")[1].split()[0] for ln in lines}
+    assert kvs == {"f32", "bf16", "turbo4", "turbo4/turbo3"}
+    weights = {ln.split("--weights ")[1].split()[0] for ln in lines if "--weights " in ln}
+    assert weights and weights <= set(choices)
+    assert any("--slots 2048" in ln for ln in lines)
+    assert any("--peers hf,llamacpp" in ln for ln in lines)
+    assert len(names) == len(set(names))
+    saved = tmp_path / names[0]
+    saved.parent.mkdir(parents=True)
+    saved.write_text("{}")
+    proc = run("bench_sweep.py", "--preset", "context,slots,weights,peers", "--quick",
+               "--models", "smollm2-135m-instruct", "--out", tmp_path, "--dry-run")
+    states = [ln.split()[0] for ln in proc.stdout.strip().splitlines()]
+    assert states[0] == "saved" and states[1:] == ["todo"] * (len(states) - 1)
+
+
+def test_sweep_bad_preset():
+    assert_user_error(run("bench_sweep.py", "--preset", "context,nope", "--dry-run"),
+                      "unknown preset 'nope'")
+
+
+def test_plot(bench_json, tmp_path):
+    pytest.importorskip("matplotlib")
+    bench = tmp_path / "bench" / "tiny"
+    bench.mkdir(parents=True)
+    for context, rate in ((32, 100.0), (64, 80.0)):
+        run_ = json.loads(json.dumps(bench_json))
+        run_["context"], run_["tqjax"]["decode_tok_s"] = context, rate
+        run_["slots"] = context + 4
+        (bench / f"c{context}.json").write_text(json.dumps(run_))
+    (bench / "x.failed.json").write_text(json.dumps({"error": "boom"}))
+    rows = [{"model": "tiny", "text": "t", "run": r, "kv": "f32/f32", "bpw": b, "dppl_pct": d}
+            for r, b, d in (("f32", 32.0, 0.0), ("tq4", 4.25, 3.0), ("int8", 8.0, 0.2))]
+    weights = tmp_path / "w.json"
+    weights.write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "docs"
+    proc = run("plot.py", "--bench", tmp_path / "bench", "--weights-json", weights,
+               "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert written["runs"] == 2
+    names = {p.split("/")[-1] for p in written["written"]}
+    assert names == {"bench_decode_vs_context.png", "bench_rss_vs_context.png",
+                     "weights_dppl_vs_bits.png"}
+    for name in names:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_user_error(run("plot.py", "--bench", tmp_path / "nowhere"), "no bench folder")
