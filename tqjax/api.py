@@ -23,7 +23,7 @@ from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
 from tqjax.models.config import ModelConfig
-from tqjax.models.loading import load_checkpoint
+from tqjax.models.loading import GGUF_WEIGHTS, load_checkpoint
 from tqjax.models.quantize import (
     WeightSpec,
     calibration_corpus,
@@ -80,19 +80,25 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     quantized checkpoint directory. `weights` ("tq8", "tq4", "tq3", "mixed" with `bpw`, "int8",
     "int8-rot", "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short
     built-in calibration text; `scripts/quantize.py` saves the result instead);
-    `quantize_embeddings` quantizes the embedding table and an untied head too, in 8 bits."""
+    `quantize_embeddings` quantizes the embedding table and an untied head too, in 8 bits.
+    `weights="gguf"` keeps a .gguf file's quantized matrices (embedding and head included) in
+    the file's own blocks (`tqjax.quant.ggml`), no re-quantization."""
     if weights is None and (bpw is not None or quantize_embeddings):
         raise TqjaxError("a bpw target and quantized embeddings go with a weights method "
                          "(e.g. --weights tq4)")
+    blocks = weights == GGUF_WEIGHTS
+    if blocks and (bpw is not None or quantize_embeddings):
+        raise TqjaxError("weights 'gguf' keeps the file's blocks as they are: no bpw target or "
+                         "quantized embeddings")
     path = resolve_path(path_or_name, progress)
-    config, params, meta = load_checkpoint(path, dtype, progress)
+    config, params, meta = load_checkpoint(path, dtype, progress, blocks)
     if not path.is_dir():
         tokenizer = tokenizer_from_gguf(meta)
     elif any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
     else:
         tokenizer = None
-    if weights is not None:
+    if weights is not None and not blocks:
         spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
         windows = None
         if tokenizer is not None:

@@ -25,6 +25,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
+    from tqjax.models.loading import GGUF_WEIGHTS
     from tqjax.models.quantize import METHODS, MIXED
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
@@ -32,8 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter and compute dtype (default float32: fastest on CPU)")
-    p.add_argument("--weights", default=None, choices=[*METHODS, MIXED],
-                   help="quantize the weights on the fly (see scripts/quantize.py to save them)")
+    p.add_argument("--weights", default=None, choices=[*METHODS, MIXED, GGUF_WEIGHTS],
+                   help="quantize the weights on the fly (see scripts/quantize.py to save them); "
+                        f"{GGUF_WEIGHTS}: keep a .gguf file's quantized blocks as they are")
     p.add_argument("--bpw", type=float, default=None, help="target bits per weight for mixed")
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="with --weights: also quantize the embedding table and an untied head "

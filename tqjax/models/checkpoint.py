@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tqjax.atomic import replace_dir
 from tqjax.errors import TqjaxError
@@ -75,6 +77,89 @@ def source_info(path: Path) -> dict[str, Any]:
         total += size
         h.update(f"{f.relative_to(path)}\t{digest}\n".encode())
     return {"name": path.name, "size": total, "sha256": h.hexdigest()}
+
+
+# ---------------------------------------------------------------- reading one tensor at a time
+
+HOST_ALIGN = 64  # bytes: the CPU runtime adopts a host buffer this aligned without a copy
+
+
+def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous host array, its data `HOST_ALIGN`-aligned, so that
+    `jax.device_put` of it on CPU aliases it (no copy: measured, jax 0.10) instead of copying
+    (numpy's own large allocations are 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def read_file_bytes(path: Path, offset: int, size: int) -> np.ndarray:
+    """`size` bytes of a file from `offset`, uint8 [size] in a `host_buffer` (read, not mapped:
+    a map's touched pages would stay in the process's resident set)."""
+    out = host_buffer((size,), np.uint8)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(memoryview(out))
+    if got != size:
+        raise TqjaxError(f"{path} ends before the tensor bytes at {offset}+{size} (truncated?)")
+    return out
+
+
+class SafetensorsFile:
+    """A safetensors file read one tensor (or row range) at a time: it is opened for each
+    read, so the pages its memory map touched leave the resident set when the read is done."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with self._open() as st:
+            self.shapes = {name: tuple(st.get_slice(name).get_shape())
+                           for name in st.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+    def _open(self) -> Any:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            return safe_open(self.path, framework="numpy")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise TqjaxError(f"cannot read {self.path} (truncated or corrupt?): {e}") from None
+
+    def read(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """Tensor `name` (rows `rows` of its first axis, if given) in its stored dtype."""
+        from safetensors import SafetensorError
+
+        with self._open() as st:
+            try:
+                return st.get_tensor(name) if rows is None else st.get_slice(name)[rows]
+            except (SafetensorError, OSError, ValueError) as e:
+                raise TqjaxError(f"cannot read {name} from {self.path} (truncated or "
+                                 f"corrupt?): {e}") from None
+
+
+class PendingTensors:
+    """The tensors of a `SafetensorsFile` not taken yet, by name; `pop` reads one and places it
+    on the device (optionally cast to a dtype), so only one is ever on the host."""
+
+    def __init__(self, st: SafetensorsFile) -> None:
+        self.st, self.names = st, dict.fromkeys(st.shapes)
+
+    def __iter__(self) -> Any:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def pop(self, name: str, default: Any = None, dtype: Any = None) -> Any:
+        """Read tensor `name` (cast to `dtype` if given) onto the device and forget it;
+        `default` if there is no such tensor (left)."""
+        if name not in self.names:
+            return default
+        del self.names[name]
+        value = self.st.read(name)
+        out = host_buffer(value.shape, value.dtype if dtype is None else dtype)
+        out[...] = value
+        return jax.device_put(out)
 
 
 # ---------------------------------------------------------------- params <-> flat tensors
@@ -159,7 +244,7 @@ def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
     return tensors, meta
 
 
-def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
+def _quantized(name: str, info: dict[str, Any], tensors: PendingTensors,
                shared: dict[str, Any]) -> QuantizedLinear:
     """Rebuild one QuantizedLinear, checking every shape against its metadata."""
     try:
@@ -194,7 +279,7 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
                            group=group, in_features=k)
 
 
-def _shared(tensors: dict[str, jax.Array]) -> dict[str, Any]:
+def _shared(tensors: PendingTensors) -> dict[str, Any]:
     """Pop the shared luts and rotations: {"shared.lut.0": array, "shared.rotation.0": Rotation}."""
     out: dict[str, Any] = {}
     for name in sorted(t for t in tensors if t.startswith("shared.lut.")):
@@ -339,11 +424,9 @@ def load_quantized(path: Path, dtype: str = "float32"
     """Load a quantized checkpoint directory -> (config, params, quantization.json dict).
 
     Files are verified against their sha256 first. Dense tensors are cast to `dtype`
-    ("float32", "bfloat16", "float16"); quantized tensors keep their stored types.
+    ("float32", "bfloat16", "float16"); quantized tensors keep their stored types. Tensors
+    are read and placed one at a time (`PendingTensors`).
     """
-    from safetensors import SafetensorError
-    from safetensors.flax import load_file
-
     if dtype not in DENSE_DTYPES:
         raise TqjaxError(f"unknown dtype {dtype!r} (choose from: {', '.join(DENSE_DTYPES)})")
     meta = _read_json(path / QUANT_FILE)
@@ -356,13 +439,11 @@ def load_quantized(path: Path, dtype: str = "float32"
         raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
     verify_files(path, meta)
     config = config_from_dict(_read_json(path / CONFIG_FILE))
-    try:
-        tensors = load_file(str(path / WEIGHTS_FILE))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise TqjaxError(f"cannot read {path / WEIGHTS_FILE} (corrupt?): {e}") from None
+    tensors = PendingTensors(SafetensorsFile(path / WEIGHTS_FILE))
     shared = _shared(tensors)
     flat: dict[str, Any] = {name: _quantized(name, info, tensors, shared)
                             for name, info in meta["tensors"].items()}
     jdtype = DENSE_DTYPES[dtype]
-    flat |= {k: v if k == "rope_inv_freq" else v.astype(jdtype) for k, v in tensors.items()}
+    flat |= {k: tensors.pop(k, dtype=None if k == "rope_inv_freq" else jdtype)
+             for k in list(tensors)}
     return config, _unflatten(flat, config), meta

@@ -1,0 +1,210 @@
+"""Streaming load: params equal to an eager numpy reference (safetensors and GGUF, every dtype),
+GGUF blocks kept as the file has them (`weights="gguf"`), clean errors."""
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from safetensors.numpy import load_file
+
+import tqjax
+from tqjax.api import Model
+from tqjax.errors import TqjaxError
+from tqjax.models import loading
+from tqjax.models.loading import load_checkpoint, read_hf_config
+
+from .conftest import GOLDEN
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+LINEAR_FIELDS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+                 "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+                 "w_down": "mlp.down_proj"}
+DENSE_FIELDS = {"attn_norm": "input_layernorm.weight",
+                "mlp_norm": "post_attention_layernorm.weight",
+                "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+                "bv": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+                "k_norm": "self_attn.k_norm.weight"}
+
+
+def expected_params(hf: dict[str, np.ndarray], params, dtype):
+    """(got, want) pairs: every leaf of `params` against the HF f32 tensors `hf`, linears
+    transposed, cast with jnp.asarray like the eager loader did."""
+    pairs = [(params.embed, jnp.asarray(hf["model.embed_tokens.weight"], dtype)),
+             (params.final_norm, jnp.asarray(hf["model.norm.weight"], dtype))]
+    if params.lm_head is not None:
+        pairs.append((params.lm_head, jnp.asarray(hf["lm_head.weight"].T, dtype)))
+    for i, lp in enumerate(params.layers):
+        p = f"model.layers.{i}."
+        pairs += [(getattr(lp, f), jnp.asarray(hf[p + n + ".weight"].T, dtype))
+                  for f, n in LINEAR_FIELDS.items()]
+        pairs += [(getattr(lp, f), jnp.asarray(hf[p + n], dtype))
+                  for f, n in DENSE_FIELDS.items() if getattr(lp, f) is not None]
+    return pairs
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_safetensors_stream_equals_eager(name, dtype):
+    path = GOLDEN / "tiny" / name
+    _, params, _ = load_checkpoint(path, dtype)
+    pairs = expected_params(load_file(path / "model.safetensors"), params, DTYPES[dtype])
+    assert len(pairs) == 2 + (params.lm_head is not None) + sum(
+        9 + 3 * (lp.bq is not None) + 2 * (lp.q_norm is not None) for lp in params.layers)
+    for got, want in pairs:
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---------------------------------------------------------------- tiny GGUF files
+
+# ggml types per HF tensor (by suffix; layer 1's v_proj is F16: dense even with blocks kept)
+GGUF_TYPES = {"embed_tokens": T.Q8_0, "lm_head": T.Q8_0, "q_proj.weight": T.Q4_0,
+              "k_proj.weight": T.Q4_1, "v_proj.weight": T.Q5_0, "o_proj": T.Q5_1,
+              "gate_proj": T.Q8_0, "up_proj": T.Q4_1, "down_proj": T.Q4_0}
+GGUF_NAMES = {v: k for k, v in loading.GGUF_LAYER_NAMES.items()}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (half-split -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def ggml_type(hf_name: str) -> T:
+    if hf_name == "model.layers.1.self_attn.v_proj.weight":
+        return T.F16
+    if hf_name.endswith(("norm.weight", ".bias")):
+        return T.F32
+    return next(t for k, t in GGUF_TYPES.items() if k in hf_name)
+
+
+def write_gguf(name: str, path):
+    """golden/tiny/<name> as a GGUF file with quantized matrices; returns the HF tensors as the
+    file's ggml types round them (gguf's own quantize + dequantize), in HF row order, and the
+    quantized bytes of each quantized matrix in HF row order."""
+    src = GOLDEN / "tiny" / name
+    cfg = read_hf_config(src)
+    hf = load_file(src / "model.safetensors")
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    rounded, blocks = {}, {}
+    for hf_name, value in hf.items():
+        if hf_name.startswith("model.layers."):
+            _, _, i, rest = hf_name.split(".", 3)
+            gguf_name = f"blk.{i}.{GGUF_NAMES[rest]}"
+        else:
+            gguf_name = {v: k for k, v in loading.GGUF_GLOBAL_NAMES.items()}[hf_name]
+        t = ggml_type(hf_name)
+        stored = value
+        if cfg.arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
+            stored = llama_cpp_permute(value, heads)
+        if t == T.F32:
+            w.add_tensor(gguf_name, stored)
+            rounded[hf_name] = value
+            continue
+        data = gguf.quants.quantize(stored, t)
+        w.add_tensor(gguf_name, data, raw_dtype=t)
+        rounded[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(value, t), t)
+        if t != T.F16:
+            blocks[hf_name] = gguf.quants.quantize(value, t)  # row-wise: commutes with permuting
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return rounded, blocks
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_gguf(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
+    rounded, blocks = write_gguf(request.param, path)
+    return path, rounded, blocks
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gguf_stream_equals_eager(tiny_gguf, dtype):
+    path, rounded, _ = tiny_gguf
+    _, params, _ = load_checkpoint(path, dtype)
+    for got, want in expected_params(rounded, params, DTYPES[dtype]):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gguf_blocks_are_the_files_bytes_in_hf_order(tiny_gguf):
+    from tqjax.quant import ggml
+
+    path, rounded, blocks = tiny_gguf
+    config, params, _ = load_checkpoint(path, blocks=True)
+    assert isinstance(params.embed, ggml.GGMLLinear) and params.embed.ggml_type == T.Q8_0
+    np.testing.assert_array_equal(np.asarray(params.embed.data),
+                                  blocks["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(params.lm_head.data), blocks["lm_head.weight"])
+    for i, lp in enumerate(params.layers):
+        for field, hf_name in LINEAR_FIELDS.items():
+            w, name = getattr(lp, field), f"model.layers.{i}.{hf_name}.weight"
+            if name not in blocks:  # F16: dense [in, out]
+                assert not isinstance(w, ggml.GGMLLinear)
+                np.testing.assert_array_equal(np.asarray(w), rounded[name].T)
+                continue
+            assert w.ggml_type == ggml_type(name) and w.in_features == rounded[name].shape[1]
+            np.testing.assert_array_equal(np.asarray(w.data), blocks[name])
+    # dense tensors stay dense, in the requested dtype
+    _, p16, _ = load_checkpoint(path, "bfloat16", blocks=True)
+    assert p16.final_norm.dtype == jnp.bfloat16 and p16.layers[0].wq.ggml_type == T.Q4_0
+
+
+def test_gguf_blocks_logits_match_the_dequantized_model(tiny_gguf):
+    path = tiny_gguf[0]
+    config, dense, _ = load_checkpoint(path)
+    _, kept, _ = load_checkpoint(path, blocks=True)
+    ids = list(range(3, 40))
+    want = tqjax.logits(Model(config, dense, None, str(path), "float32"), ids)
+    got = tqjax.logits(Model(config, kept, None, str(path), "float32"), ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_gguf_weights_need_a_gguf_file(tmp_path):
+    for path in (GOLDEN / "tiny" / "llama", tmp_path / "missing.gguf"):
+        with pytest.raises(TqjaxError) as e:
+            tqjax.load(path, weights="gguf")
+        assert "\n" not in str(e.value)
+    with pytest.raises(TqjaxError, match="gguf"):
+        tqjax.load(GOLDEN / "tiny" / "llama", weights="gguf")
+    with pytest.raises(TqjaxError, match="gguf"):
+        tqjax.load(GOLDEN / "tiny" / "llama", weights="gguf", quantize_embeddings=True)
+
+
+def test_truncated_gguf_tensor_is_a_clean_error(tiny_gguf, tmp_path):
+    path = tmp_path / "cut.gguf"
+    data = tiny_gguf[0].read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(TqjaxError, match="truncated") as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- real model (slow)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_logits_match_dequantized():
+    from tqjax.quant import ggml
+
+    dense = tqjax.load("smollm2-135m-instruct")
+    kept = tqjax.load("smollm2-135m-instruct", weights="gguf")
+    assert isinstance(kept.params.embed, ggml.GGMLLinear)
+    assert all(isinstance(getattr(lp, f), ggml.GGMLLinear)
+               for lp in kept.params.layers for f in LINEAR_FIELDS)
+    ids = dense.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    want, got = tqjax.logits(dense, ids), tqjax.logits(kept, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
