@@ -46,8 +46,9 @@ from tqjax.errors import TqjaxError
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
+from tqjax.quant import ggml
 from tqjax.quant.codebook import lloyd_max
-from tqjax.quant.packing import pack_bits, unpack_bits
+from tqjax.quant.packing import pack_bits, unpack_bits, unpack_leading
 from tqjax.quant.rotation import Rotation, make_rotation, rotate, unrotate
 
 KINDS = ("tq", "sym", "affine")
@@ -93,29 +94,71 @@ def rotate_input(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     return _per_block(rotate, x, w.rotation)
 
 
+def _dequantize(packed: jax.Array, scale: jax.Array, offset: jax.Array | None, lut: jax.Array,
+                bits: int, group: int) -> jax.Array:
+    """Codes packed uint8 [K·bits/8, n] with scale (offset) f16 [K/group, n] -> f32 [K, n]."""
+    values = lut[unpack_leading(packed, bits)]  # [K, n]
+    k, n = values.shape
+    values = values.reshape(k // group, group, n) * scale.astype(jnp.float32)[:, None]
+    if offset is not None:
+        values = values + offset.astype(jnp.float32)[:, None]
+    return values.reshape(k, n)
+
+
 def dequantize_weight(w: QuantizedLinear) -> jax.Array:
     """The stored weight in the rotated input basis, f32 [K_pad, N] (reference path)."""
-    codes = unpack_bits(w.packed.T, w.bits, w.padded_in).T  # [K_pad, N]
-    values = w.lut[codes.astype(jnp.int32)]
-    k, n = values.shape
-    values = values.reshape(k // w.group, w.group, n) * w.scale.astype(jnp.float32)[:, None]
-    if w.offset is not None:
-        values = values + w.offset.astype(jnp.float32)[:, None]
-    return values.reshape(k, n)
+    return _dequantize(w.packed, w.scale, w.offset, w.lut, w.bits, w.group)
+
+
+TILE_WEIGHTS = 1 << 18  # weights dequantized per step of `_tiled_matmul` (1 MiB of f32)
+
+
+def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
+    """x [M, K_pad] (rotated) @ Ŵ -> [M, N] in x's dtype, dequantizing a tile of output columns
+    at a time.
+
+    XLA on CPU runs the dot as a library call that cannot fuse the unpack, so the dequantized
+    weight is always written out; a tile of ~TILE_WEIGHTS (a multiple of 128 columns) keeps
+    that temporary in cache and the packed bytes the only full-size copy. Measured by
+    scripts/research/bench_linear.py: faster than dequantize-then-dot, and than an
+    elementwise multiply-reduce (which XLA does not fuse with the unpack either).
+    """
+    k, n = w.padded_in, w.out_features
+    cols = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
+
+    def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
+        def cut(a: jax.Array | None) -> jax.Array | None:
+            return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+
+        wt = _dequantize(cut(w.packed), cut(w.scale), cut(w.offset), w.lut, w.bits, w.group)
+        return jnp.dot(x, wt.astype(x.dtype))  # [M, size]
+
+    tiles, rest = divmod(n, cols)
+    if tiles == 1 and not rest:
+        return tile(0, n)
+
+    def body(j: jax.Array, y: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(y, tile(j * cols, cols), j * cols, axis=1)
+
+    y = jax.lax.fori_loop(0, tiles, body, jnp.zeros((x.shape[0], n), x.dtype))
+    return y.at[:, tiles * cols:].set(tile(tiles * cols, rest)) if rest else y
 
 
 def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x's dtype; w dense or QuantizedLinear.
 
-    backend: "xla" (dequantize, then dot) or "pallas" (the fused `dequant_matmul` kernel where
-    it applies); None = `tqjax.pallas.backend.current()`.
+    backend: "xla" (`_tiled_matmul`: dequantize a cache-sized tile of columns, then dot) or
+    "pallas" (the fused `dequant_matmul` kernel where it applies); None =
+    `tqjax.pallas.backend.current()`.
     """
+    if isinstance(w, ggml.GGMLLinear):  # GGUF blocks kept as the file has them
+        return ggml.linear(x, w, backend)
     if isinstance(w, QuantizedLinear):
         xr = rotate_input(x, w)
         x2 = xr.reshape(-1, xr.shape[-1])
         if resolve_backend(backend) == "pallas" and dequant_supported(x2.shape, w):
             return dequant_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
-        return jnp.dot(xr, dequantize_weight(w).astype(x.dtype))
+        return _tiled_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
     return jnp.dot(x, w.astype(x.dtype))
 
 
