@@ -241,6 +241,10 @@ def main() -> int:
     p.add_argument("--bandwidth", type=float, default=None, metavar="GBPS",
                    help="copy bandwidth (GB/s) to use instead of measuring it")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help="override every run's decode count (default 32, --quick 8)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="override every run's repeats (default 3, --quick 1)")
     args = p.parse_args()
 
     from tqjax.errors import TqjaxError
@@ -257,7 +261,12 @@ def main() -> int:
     if args.bandwidth is not None and args.bandwidth <= 0:
         raise TqjaxError("--bandwidth must be > 0 GB/s")
     out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    if any(v is not None and v < 1 for v in (args.decode_tokens, args.repeats)):
+        raise TqjaxError("--decode-tokens and --repeats must be >= 1")
     runs, notes = plan(presets, models, args.quick)
+    overrides = {k: v for k, v in (("decode", args.decode_tokens), ("repeats", args.repeats))
+                 if v is not None}
+    runs = list(dict.fromkeys(dataclasses.replace(r, **overrides) for r in runs))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     todo = [r for r in runs

@@ -106,7 +106,7 @@ def context_figure(runs: list[dict], metric: str, out: Path, note: str) -> Path 
             ax.plot(xs, [pts[x] for x in xs], "s--", label=label)
         if roof:
             xs = sorted(roof)
-            ax.plot(xs, [roof[x] for x in xs], ":", color="gray",
+            ax.plot(xs, [roof[x] for x in xs], ":x", color="gray",
                     label="f32 memory roofline (weights + live cache)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["context"] for r in mine}))
@@ -114,6 +114,7 @@ def context_figure(runs: list[dict], metric: str, out: Path, note: str) -> Path 
             plt.FuncFormatter(lambda v, _: f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"))
         ax.set_xlabel("decode position (tokens of context)")
         ax.set_ylabel("decode tokens/s" if metric == "decode" else "peak RSS (MiB)")
+        ax.set_ylim(bottom=0)
         ax.set_title(model)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -172,7 +173,8 @@ def dppl_figure(files: list[Path], out: Path, note: str) -> Path | None:
     rows = []
     for f in files:
         rows += [r | {"file": f.name} for r in json.loads(f.read_text())["rows"]
-                 if r.get("kv") == "f32/f32" and r.get("run") != "f32" and r.get("bpw")]
+                 if r.get("kv") == "f32/f32" and r.get("run") != "f32" and r.get("bpw")
+                 and r.get("dppl_pct") != 0.0]  # exactly 0: not a measurement (a placeholder)
     if not rows:
         return None
     models = list(dict.fromkeys(r["model"] for r in rows))

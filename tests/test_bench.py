@@ -158,9 +158,15 @@ def test_sweep_plan_and_skip(tmp_path):
     assert states[0] == "saved" and states[1:] == ["todo"] * (len(states) - 1)
 
 
-def test_sweep_bad_preset():
+def test_sweep_bad_flags_and_overrides(tmp_path):
     assert_user_error(run("bench_sweep.py", "--preset", "context,nope", "--dry-run"),
                       "unknown preset 'nope'")
+    assert_user_error(run("bench_sweep.py", "--repeats", "0", "--dry-run"), "must be >= 1")
+    proc = run("bench_sweep.py", "--preset", "slots", "--decode-tokens", 16, "--repeats", 2,
+               "--out", tmp_path, "--dry-run")
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4  # f32 and turbo4 in 1k- and 16k-slot caches
+    assert all("--decode-tokens 16 --repeats 2" in ln and "_d16_" in ln for ln in lines)
 
 
 def test_plot(bench_json, tmp_path):
