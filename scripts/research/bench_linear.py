@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax.quant import weights as qw
-from tqjax.quant.packing import unpack_leading
+from tqjax.quant.packing import unpack_bits, unpack_leading
 
 SHAPES = {  # name -> (in, out)
     "smol.up": (576, 1536), "smol.down": (1536, 576), "smol.head": (576, 49152),
@@ -76,14 +76,18 @@ def _deq(packed: jax.Array, scale: jax.Array, offset: jax.Array | None,
     return v.reshape(-1, packed.shape[1])
 
 
+def form_a0_bitstream_dequant_dot(xr: jax.Array, w: qw.QuantizedLinear) -> jax.Array:
+    """(a0) the path before issue 22: bit-stream unpack of packed.T, LUT, scale, then dot."""
+    v = w.lut[unpack_bits(w.packed.T, w.bits, w.padded_in).T.astype(jnp.int32)]
+    v = v.reshape(-1, w.group, v.shape[1]) * w.scale.astype(jnp.float32)[:, None]
+    if w.offset is not None:
+        v = v + w.offset.astype(jnp.float32)[:, None]
+    return jnp.dot(xr, v.reshape(w.padded_in, -1))
+
+
 def form_a_dequant_dot(xr: jax.Array, w: qw.QuantizedLinear) -> jax.Array:
-    """(a) the current path: dequantize_weight (bit-stream unpack of packed.T), then dot."""
+    """(a) `dequantize_weight` (shift unpack along K, `packing.unpack_leading`), then dot."""
     return jnp.dot(xr, qw.dequantize_weight(w))
-
-
-def form_a2_dequant_dot_shift(xr: jax.Array, w: qw.QuantizedLinear) -> jax.Array:
-    """(a2) dequantize with the shift unpack along K (no transposes), then dot."""
-    return jnp.dot(xr, _deq(w.packed, w.scale, w.offset, w))
 
 
 def form_b_group_dot(xr: jax.Array, w: qw.QuantizedLinear) -> jax.Array:
