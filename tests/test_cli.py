@@ -133,6 +133,11 @@ def test_quantize_embeddings_needs_a_weights_method(tiny_model):
                           "--quantize-embeddings"), "weights method")
 
 
+def test_gguf_weights_on_an_hf_directory(tiny_model):
+    assert_user_error(run("generate.py", "--model", tiny_model, "--prompt", "hi",
+                          "--weights", "gguf"), "gguf")
+
+
 FRAGMENT = """
 import sys, numpy as np
 from tqjax.cli import release_large_buffers
