@@ -14,6 +14,11 @@ then PATH). `--generate N` also runs an N-token greedy generate after the load.
     python scripts/research/load_memory.py -m smollm2-135m-instruct qwen2.5-coder-0.5b-instruct \
         --modes float32 bfloat16 float16 gguf
     python scripts/research/load_memory.py -m - --modes ckpt:/tmp/qwen-tq4 --generate 64
+    python scripts/research/load_memory.py --hf-copy /tmp/smol-hf -m smollm2-135m-instruct
+    python scripts/research/load_memory.py -m /tmp/smol-hf --modes float32 bfloat16
+
+`--hf-copy DIR` writes the (dequantized) model as an HF safetensors directory, float32, to
+measure the safetensors path on a real-sized model.
 """
 
 from __future__ import annotations
@@ -74,6 +79,47 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
     return out
 
 
+def hf_copy(model: str, out: str) -> None:
+    """Write `model` (dequantized, f32) as an HF directory: config.json + model.safetensors."""
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import tqjax
+    from tqjax.models.loading import GGUF_LAYER_NAMES
+
+    m = tqjax.load(model)
+    cfg, p = m.config, m.params
+    fields = {"attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+              "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+              "wo": "attn_output.weight", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
+              "w_down": "ffn_down.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
+              "bv": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+    tensors = {"model.embed_tokens.weight": np.asarray(p.embed),
+               "model.norm.weight": np.asarray(p.final_norm)}
+    if p.lm_head is not None:
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(p.lm_head).T)
+    for i, lp in enumerate(p.layers):
+        for f, g in fields.items():
+            v = getattr(lp, f)
+            if v is not None:
+                v = np.asarray(v)
+                tensors[f"model.layers.{i}.{GGUF_LAYER_NAMES[g]}"] = np.ascontiguousarray(
+                    v.T if v.ndim == 2 else v)
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.arch]
+    config = {"architectures": [arch], "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+              "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+              "max_position_embeddings": cfg.max_position,
+              "tie_word_embeddings": cfg.tie_embeddings}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(Path(out) / "model.safetensors"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", nargs="+", default=["smollm2-135m-instruct"])
@@ -82,8 +128,13 @@ def main() -> None:
     p.add_argument("--mmap-threshold", action="store_true",
                    help="serve large heap blocks from mmap as the CLI scripts do "
                         "(tqjax.cli.release_large_buffers)")
+    p.add_argument("--hf-copy", metavar="DIR", help="write the first --model as an HF "
+                   "safetensors directory (f32) and exit")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.hf_copy:
+        hf_copy(args.model[0], args.hf_copy)
+        return
     if args.child:
         print(json.dumps(child(*args.child, args.generate, args.mmap_threshold)), flush=True)
         return
