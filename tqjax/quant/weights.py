@@ -121,10 +121,13 @@ def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     weight is always written out; a tile of ~TILE_WEIGHTS (a multiple of 128 columns) keeps
     that temporary in cache and the packed bytes the only full-size copy. Measured by
     scripts/research/bench_linear.py: faster than dequantize-then-dot, and than an
-    elementwise multiply-reduce (which XLA does not fuse with the unpack either).
+    elementwise multiply-reduce (which XLA does not fuse with the unpack either). Other
+    backends get one tile (XLA on GPU can fuse the dequantization into its dot).
     """
     k, n = w.padded_in, w.out_features
     cols = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
+    if jax.default_backend() != "cpu":
+        cols = n
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
         def cut(a: jax.Array | None) -> jax.Array | None:
