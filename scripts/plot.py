@@ -88,7 +88,7 @@ def context_figure(runs: list[dict], metric: str, out: Path, note: str) -> Path 
         lines: dict[str, dict[int, float]] = defaultdict(dict)
         peers: dict[str, dict[int, float]] = defaultdict(dict)
         roof: dict[int, float] = {}
-        for r in mine:
+        for r in sorted(mine, key=lambda r: r.get("label") == "context"):  # context runs win
             t = r["tqjax"]
             y = t["decode_tok_s"] if metric == "decode" else t["peak_rss_bytes"] / MIB
             lines[series_key(r).split(" · ", 1)[1]][r["context"]] = y
