@@ -208,3 +208,32 @@ def test_smollm2_gguf_blocks_logits_match_dequantized():
     ids = dense.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     want, got = tqjax.logits(dense, ids), tqjax.logits(kept, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+# ---------------------------------------------------------------- quantized checkpoints
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_quantized_checkpoint_stream_equals_eager(tmp_path, dtype):
+    from tqjax.models import checkpoint as ckpt
+    from tqjax.models.quantize import WeightSpec, quantize_params
+
+    tiny = tqjax.load(GOLDEN / "tiny" / "qwen2")
+    q = quantize_params(tiny.params, tiny.config, WeightSpec("int4-affine"))
+    path = tmp_path / "q"
+    ckpt.save_quantized(path, q, tiny.config, method={}, dense_dtype="float16")
+    stored = load_file(path / "model.safetensors")
+    _, params, _ = load_checkpoint(path, dtype)
+    flat = ckpt.flatten_params(params)
+    assert flat["rope_inv_freq"].dtype == jnp.float32
+    for name, value in flat.items():
+        if name == "rope_inv_freq":
+            np.testing.assert_array_equal(np.asarray(value), stored[name])
+        elif hasattr(value, "packed"):  # quantized: stored types, stored bytes
+            for part in ("packed", "scale", "offset"):
+                np.testing.assert_array_equal(np.asarray(getattr(value, part)),
+                                              stored[f"{name}.{part}"])
+        else:  # dense: the stored f16 cast like the eager loader (jnp astype)
+            want = jnp.asarray(stored[name]).astype(DTYPES[dtype])
+            assert value.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(want))

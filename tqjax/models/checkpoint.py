@@ -52,6 +52,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", TOKENIZER_CONFIG,
                       "special_tokens_map.json", "chat_template.jinja")
 DENSE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+QUANTIZED_PARTS = (".packed", ".scale", ".offset")  # tensor-name suffixes of a QuantizedLinear
 
 
 def is_quantized_checkpoint(path: Path) -> bool:
@@ -125,6 +126,13 @@ class SafetensorsFile:
         except (SafetensorError, OSError, ValueError) as e:
             raise TqjaxError(f"cannot read {self.path} (truncated or corrupt?): {e}") from None
 
+    def place(self, name: str, dtype: Any = None) -> jax.Array:
+        """Tensor `name` on the device, cast to `dtype` if given (one host copy, adopted)."""
+        value = self.read(name)
+        out = host_buffer(value.shape, value.dtype if dtype is None else dtype)
+        out[...] = value
+        return jax.device_put(out)
+
     def read(self, name: str, rows: slice | None = None) -> np.ndarray:
         """Tensor `name` (rows `rows` of its first axis, if given) in its stored dtype."""
         from safetensors import SafetensorError
@@ -135,31 +143,6 @@ class SafetensorsFile:
             except (SafetensorError, OSError, ValueError) as e:
                 raise TqjaxError(f"cannot read {name} from {self.path} (truncated or "
                                  f"corrupt?): {e}") from None
-
-
-class PendingTensors:
-    """The tensors of a `SafetensorsFile` not taken yet, by name; `pop` reads one and places it
-    on the device (optionally cast to a dtype), so only one is ever on the host."""
-
-    def __init__(self, st: SafetensorsFile) -> None:
-        self.st, self.names = st, dict.fromkeys(st.shapes)
-
-    def __iter__(self) -> Any:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def pop(self, name: str, default: Any = None, dtype: Any = None) -> Any:
-        """Read tensor `name` (cast to `dtype` if given) onto the device and forget it;
-        `default` if there is no such tensor (left)."""
-        if name not in self.names:
-            return default
-        del self.names[name]
-        value = self.st.read(name)
-        out = host_buffer(value.shape, value.dtype if dtype is None else dtype)
-        out[...] = value
-        return jax.device_put(out)
 
 
 # ---------------------------------------------------------------- params <-> flat tensors
@@ -244,7 +227,7 @@ def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
     return tensors, meta
 
 
-def _quantized(name: str, info: dict[str, Any], tensors: PendingTensors,
+def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
                shared: dict[str, Any]) -> QuantizedLinear:
     """Rebuild one QuantizedLinear, checking every shape against its metadata."""
     try:
@@ -279,7 +262,7 @@ def _quantized(name: str, info: dict[str, Any], tensors: PendingTensors,
                            group=group, in_features=k)
 
 
-def _shared(tensors: PendingTensors) -> dict[str, Any]:
+def _shared(tensors: dict[str, jax.Array]) -> dict[str, Any]:
     """Pop the shared luts and rotations: {"shared.lut.0": array, "shared.rotation.0": Rotation}."""
     out: dict[str, Any] = {}
     for name in sorted(t for t in tensors if t.startswith("shared.lut.")):
@@ -425,7 +408,7 @@ def load_quantized(path: Path, dtype: str = "float32"
 
     Files are verified against their sha256 first. Dense tensors are cast to `dtype`
     ("float32", "bfloat16", "float16"); quantized tensors keep their stored types. Tensors
-    are read and placed one at a time (`PendingTensors`).
+    are read, cast and placed one at a time, largest first.
     """
     if dtype not in DENSE_DTYPES:
         raise TqjaxError(f"unknown dtype {dtype!r} (choose from: {', '.join(DENSE_DTYPES)})")
@@ -439,11 +422,13 @@ def load_quantized(path: Path, dtype: str = "float32"
         raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
     verify_files(path, meta)
     config = config_from_dict(_read_json(path / CONFIG_FILE))
-    tensors = PendingTensors(SafetensorsFile(path / WEIGHTS_FILE))
+    st = SafetensorsFile(path / WEIGHTS_FILE)
+    keep = {"rope_inv_freq"} | {n + s for n in meta["tensors"] for s in QUANTIZED_PARTS}
+    jdtype = DENSE_DTYPES[dtype]
+    tensors = {name: st.place(name, None if name in keep or name.startswith("shared.") else jdtype)
+               for name in sorted(st.shapes, key=lambda n: -math.prod(st.shapes[n]))}
     shared = _shared(tensors)
     flat: dict[str, Any] = {name: _quantized(name, info, tensors, shared)
                             for name, info in meta["tensors"].items()}
-    jdtype = DENSE_DTYPES[dtype]
-    flat |= {k: tensors.pop(k, dtype=None if k == "rope_inv_freq" else jdtype)
-             for k in list(tensors)}
+    flat |= tensors
     return config, _unflatten(flat, config), meta
