@@ -16,6 +16,7 @@ from flax import struct
 from tqjax.kv import cache as kvc
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
+from tqjax.quant import ggml
 from tqjax.quant import weights as qw
 
 Weight = Any  # jax.Array [in, out] or a quantized weight pytree (tqjax.quant.weights)
@@ -41,7 +42,7 @@ class LayerParams:
 
 @struct.dataclass
 class Params:
-    embed: Weight  # [V, D] dense, or the QuantizedLinear of embedᵀ [D, V] (quantized embedding)
+    embed: Weight  # [V, D] dense or GGMLLinear (out = V), or the QuantizedLinear of embedᵀ [D, V]
     layers: list[LayerParams]
     final_norm: jax.Array  # [D]
     lm_head: Weight | None  # [D, V]; None when tied to `embed`
@@ -81,9 +82,12 @@ def gated_activation(lp: LayerParams, x: jax.Array) -> jax.Array:
 
 
 def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
-    """Token ids int [...] -> embeddings [..., D] from a dense [V, D] or quantized embedᵀ table."""
+    """Token ids int [...] -> embeddings [..., D] from a dense [V, D], quantized embedᵀ or GGUF
+    [V, D] table."""
     if isinstance(embed, qw.QuantizedLinear):
         return qw.gather_columns(embed, tokens)
+    if isinstance(embed, ggml.GGMLLinear):
+        return ggml.gather_rows(embed, tokens)
     return embed[tokens]
 
 
@@ -115,9 +119,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, config.rms_eps)
     head = params.embed if params.lm_head is None else params.lm_head
-    if head is params.embed and not isinstance(head, qw.QuantizedLinear):  # dense tied [V, D]
-        logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype),
+    if head is params.embed and not isinstance(head, (qw.QuantizedLinear, ggml.GGMLLinear)):
+        logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype),  # dense tied [V, D]
                             preferred_element_type=jnp.float32)
-    else:  # [D, V]: an untied head, or a quantized embedding (stored as embedᵀ)
+    else:  # [D, V]: an untied head, a quantized embedding (embedᵀ) or a GGUF [V, D] table
         logits = qw.linear(x, head).astype(jnp.float32)
     return logits, kvc.KVCache(new_layers)

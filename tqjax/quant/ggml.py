@@ -1,0 +1,270 @@
+"""GGUF (ggml) quantized weights kept in the file's own blocks: no re-quantization, no f32 copy.
+
+A `GGMLLinear` holds one [out, in] weight exactly as a GGUF file stores it: per output row, the
+input dim cut into blocks of `block` values, each block `type_size` bytes (scales then codes;
+layouts in gguf/quants.py and llama.cpp's ggml-quants.c). Every supported type decodes to
+
+    W[n, b·block + s·L + l] = scale[n, b, s] · q[n, b, s, l] + offset[n, b, s]
+
+with integer codes q, one scale (and, for the affine types, one offset) per sub-block s of L
+values:
+
+    type  block bytes  sub-blocks   code           scale        offset
+    Q8_0     32    34   1 × 32      int8           d            -
+    Q4_0     32    18   1 × 32      nibble − 8     d            -
+    Q4_1     32    20   1 × 32      nibble         d            m
+    Q5_0     32    22   1 × 32      5 bits − 16    d            -
+    Q5_1     32    24   1 × 32      5 bits         d            m
+    Q4_K    256   144   8 × 32      nibble         d·sc (6 b)   −dmin·m (6 b)
+    Q5_K    256   176   8 × 32      5 bits         d·sc (6 b)   −dmin·m (6 b)
+    Q6_K    256   210  16 × 16      6 bits − 32    d·sc (i8)    -
+
+and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in the
+same order). `linear` decodes a cache-sized tile of output rows at a time and multiplies it in
+one dot (XLA), or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An
+embedding table [V, D] is a GGMLLinear with out = V: `gather_rows` is the token lookup and
+`linear` the tied head.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tqjax.errors import TqjaxError
+from tqjax.pallas import ggml_matmul as gm
+from tqjax.pallas.backend import resolve as resolve_backend
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES: tuple[int, ...] = tuple(int(t) for t in (
+    T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K))
+QK_K = 256
+K_SCALE_SIZE = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins in 12 bytes
+TILE_WEIGHTS = 1 << 20  # values decoded per step of `_linear_tiled` (4 MiB of f32)
+
+
+@struct.dataclass
+class GGMLLinear:
+    """One GGUF-quantized weight [out, in] in the file's blocks, used as x @ Wᵀ ([in, out])."""
+
+    data: jax.Array  # uint8 [N_out, in / block * type_size]: each row's blocks along the input
+    ggml_type: int = struct.field(pytree_node=False, default=int(T.Q8_0))
+    in_features: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def block(self) -> int:  # values per block
+        return GGML_QUANT_SIZES[T(self.ggml_type)][0]
+
+    @property
+    def type_size(self) -> int:  # bytes per block
+        return GGML_QUANT_SIZES[T(self.ggml_type)][1]
+
+    @property
+    def type_name(self) -> str:
+        return T(self.ggml_type).name
+
+
+def _check_type(ggml_type: int) -> None:
+    if int(ggml_type) not in SUPPORTED_TYPES:
+        names = ", ".join(T(t).name for t in SUPPORTED_TYPES)
+        raise TqjaxError(f"GGML type {T(ggml_type).name} is not supported as kept blocks "
+                         f"(supported: {names})")
+
+
+def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> GGMLLinear:
+    """A GGMLLinear from a GGUF tensor's raw bytes (`ReaderTensor.data`, uint8 [out, row bytes]
+    or any array viewing the same bytes), its `tensor_type` and HF shape (out, in)."""
+    _check_type(ggml_type)
+    out, inp = (int(d) for d in shape)
+    block, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+    if inp % block:
+        raise TqjaxError(f"{T(ggml_type).name} weight [{out}, {inp}]: input dim is not a "
+                         f"multiple of the {block}-value block")
+    raw = np.ascontiguousarray(data).view(np.uint8)
+    row_bytes = inp // block * type_size
+    if raw.size != out * row_bytes:
+        raise TqjaxError(f"{T(ggml_type).name} weight [{out}, {inp}] needs {out * row_bytes} "
+                         f"bytes, got {raw.size}")
+    return GGMLLinear(jnp.asarray(raw.reshape(out, row_bytes)), int(ggml_type), inp)
+
+
+def permute_rows(w: GGMLLinear, perm: np.ndarray) -> GGMLLinear:
+    """w with output rows reordered, row i of the result = row perm[i] of w (a row's blocks move
+    together, so this is exact; llama's Q/K un-permutation is such a reordering)."""
+    return w.replace(data=w.data[jnp.asarray(perm)])
+
+
+def weight_bytes(w: GGMLLinear) -> int:
+    """Bytes the weight occupies (and a decode step reads): out · in / block · type_size."""
+    return math.prod(w.data.shape)
+
+
+def bits_per_weight(w: GGMLLinear) -> float:
+    """Stored bits per weight value, scales included (e.g. 4.5 for Q4_0, 8.5 for Q8_0)."""
+    return 8 * w.type_size / w.block
+
+
+# ---------------------------------------------------------------- block decoding
+
+
+def _f16(b: jax.Array) -> jax.Array:
+    """uint8 [..., 2] little-endian half -> f32 [...]."""
+    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _i32(b: jax.Array) -> jax.Array:
+    return b.astype(jnp.int32)
+
+
+def _shifted(b: jax.Array, shifts: tuple[int, ...], mask: int) -> jax.Array:
+    """uint8 [..., L] -> int32 [..., len(shifts), L]: (b >> shift) & mask for each shift (a
+    broadcast, not a concatenation, so XLA keeps it inside one vectorized loop)."""
+    sh = jnp.asarray(shifts, jnp.int32)[:, None]
+    return (_i32(b)[..., None, :] >> sh) & mask
+
+
+def _k_scale_min(sc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K/Q5_K packed 6-bit scales uint8 [..., 12] -> (scales, mins) int32 [..., 2, 4]
+    (sub-block h·4 + i at [h, i]): for h = 0 the low 6 bits of bytes i and 4 + i; for h = 1
+    the nibbles of byte 8 + i with the top 2 bits of bytes i and 4 + i above them."""
+    d, m, md = _i32(sc[..., 0:4]), _i32(sc[..., 4:8]), _i32(sc[..., 8:12])
+    first = jnp.arange(2)[:, None] == 0  # [2, 1]
+    hi_sc, hi_mn = (md & 0xF) | ((d >> 2) & 0x30), (md >> 4) | ((m >> 2) & 0x30)
+    scale = jnp.where(first, (d & 0x3F)[..., None, :], hi_sc[..., None, :])
+    mins = jnp.where(first, (m & 0x3F)[..., None, :], hi_mn[..., None, :])
+    return scale, mins
+
+
+def decode_blocks(blocks: jax.Array, ggml_type: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """uint8 [..., nb, type_size] -> (q int32 [..., nb, S, L], scale f32 [..., nb, S],
+    offset f32 [..., nb, S] or None): the value at sub-block s, position l is
+    scale · q + offset (see the module table)."""
+    t = T(ggml_type)
+    lead = blocks.shape[:-1]
+    if t == T.Q8_0:
+        q = jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.int32)
+        return q[..., None, :], _f16(blocks[..., 0:2])[..., None], None
+    if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
+        affine = t in (T.Q4_1, T.Q5_1)
+        pos = 4 if affine else 2  # after d (and m)
+        high = t in (T.Q5_0, T.Q5_1)
+        q = _shifted(blocks[..., pos + 4 * high:], (0, 4), 0xF)  # [..., 2, 16]
+        if high:  # bit i of the 32-bit qh is value i's fifth bit
+            bits = _shifted(blocks[..., pos:pos + 4], tuple(range(8)), 1)  # [..., 8 (bit), 4]
+            q = q | (jnp.swapaxes(bits, -1, -2).reshape(*lead, 2, 16) << 4)
+        q = q.reshape(*lead, 1, 32)
+        d = _f16(blocks[..., 0:2])[..., None]
+        if affine:
+            return q, d, _f16(blocks[..., 2:4])[..., None]
+        return q - (16 if high else 8), d, None
+    if t in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _k_scale_min(blocks[..., 4:4 + K_SCALE_SIZE])  # [..., 2, 4]
+        pos = 4 + K_SCALE_SIZE
+        qs = blocks[..., pos + 32 * (t == T.Q5_K):].reshape(*lead, 4, 32)
+        q = _shifted(qs, (0, 4), 0xF).reshape(*lead, 8, 32)  # sub-block 2c + nibble
+        if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
+            qh = _shifted(blocks[..., pos:pos + 32], tuple(range(8)), 1)  # [..., 8, 32]
+            q = q | (qh << 4)
+        scale = d[..., None] * sc.reshape(*lead, 8).astype(jnp.float32)
+        offset = -(dmin[..., None] * mn.reshape(*lead, 8).astype(jnp.float32))
+        return q, scale, offset
+    if t == T.Q6_K:
+        ql = _shifted(blocks[..., :128].reshape(*lead, 2, 64), (0, 4), 0xF)  # [.., 2, 2, 64]
+        qh = _shifted(blocks[..., 128:192].reshape(*lead, 2, 32), (0, 2, 4, 6), 3)  # [.., 2, 4, 32]
+        q = (ql.reshape(*lead, 8, 32) | (qh.reshape(*lead, 8, 32) << 4)) - 32
+        sc = jax.lax.bitcast_convert_type(blocks[..., 192:208], jnp.int8).astype(jnp.float32)
+        scale = _f16(blocks[..., 208:210])[..., None] * sc
+        return q.reshape(*lead, 16, 16), scale, None
+    raise TqjaxError(f"GGML type {t.name} is not supported as kept blocks")
+
+
+def _blocks(data: jax.Array, w: GGMLLinear) -> jax.Array:
+    """uint8 [..., row bytes] -> [..., nb, type_size]."""
+    return data.reshape(*data.shape[:-1], w.in_features // w.block, w.type_size)
+
+
+def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
+    """Decoded values f32 [..., nb, S, L] (gguf's operation order: scale · q, then + offset)."""
+    v = scale[..., None] * q.astype(jnp.float32)
+    return v if offset is None else v + offset[..., None]
+
+
+def dequantize_rows(w: GGMLLinear) -> jax.Array:
+    """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
+    return _values(*decode_blocks(_blocks(w.data, w), w.ggml_type)).reshape(
+        w.out_features, w.in_features)
+
+
+def dequantize(w: GGMLLinear) -> jax.Array:
+    """The weight as a linear uses it, f32 [in, out] (x @ dequantize(w) == linear(x, w))."""
+    return dequantize_rows(w).T
+
+
+def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
+    """Rows `ids` int [...] of the weight, f32 [..., in]: the token lookup of an embedding table
+    [V, D] stored with out = V (decodes only the gathered rows)."""
+    rows = _blocks(w.data[ids], w)  # [..., nb, type_size]
+    return _values(*decode_blocks(rows, w.ggml_type)).reshape(*ids.shape, w.in_features)
+
+
+# ---------------------------------------------------------------- matmul
+
+
+def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
+    """x [M, in] -> [M, out] (f32 accumulation), decoding `rows` output rows at a time to x's
+    dtype and multiplying them in one dot, so the decoded temporary stays cache-sized (about
+    tile_weights values) and the blocks are the only full-size copy."""
+    n = w.out_features
+    rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
+
+    def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
+        data = jax.lax.dynamic_slice_in_dim(w.data, start, size, axis=0)
+        v = _values(*decode_blocks(_blocks(data, w), w.ggml_type)).reshape(size, -1)
+        return jax.lax.dot_general(x, v.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    tiles, rest = divmod(n, rows)
+    if tiles == 1 and not rest:
+        return tile(0, n)
+
+    def body(j: jax.Array, y: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(y, tile(j * rows, rows), j * rows, axis=1)
+
+    y = jax.lax.fori_loop(0, tiles, body, jnp.zeros((x.shape[0], n), jnp.float32))
+    return y.at[:, tiles * rows:].set(tile(tiles * rows, rest)) if rest else y
+
+
+def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array:
+    """x [..., in] @ W -> [..., out] in x's dtype, W the GGUF weight used as [in, out].
+
+    backend "pallas": the fused `tqjax.pallas.ggml_matmul` kernel where it applies; "xla":
+    `_linear_tiled` (decode a cache-sized tile of rows, then dot: on CPU XLA cannot fuse the
+    decoding into the dot, and a one-pass multiply-reduce measured slower). None = the
+    current backend (`tqjax.pallas.backend`).
+    """
+    if x.shape[-1] != w.in_features:
+        raise TqjaxError(f"linear: x has {x.shape[-1]} features, the {w.type_name} weight "
+                         f"expects {w.in_features}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if resolve_backend(backend) == "pallas":
+        if gm.supported(x2.shape, w):
+            return gm.ggml_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
+    y = _linear_tiled(x2, w, TILE_WEIGHTS)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def describe(w: Any) -> str:
+    """A short label for a weight, e.g. 'Q4_K [896 -> 4864]' (for reports)."""
+    return f"{w.type_name} [{w.in_features} -> {w.out_features}]"
