@@ -47,6 +47,7 @@ SUPPORTED_TYPES: tuple[int, ...] = tuple(int(t) for t in (
 QK_K = 256
 K_SCALE_SIZE = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins in 12 bytes
 TILE_WEIGHTS = 1 << 20  # values decoded per step of `_linear_tiled` (4 MiB of f32)
+UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot, no loop)
 
 
 @struct.dataclass
@@ -250,8 +251,10 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
     """x [..., in] @ W -> [..., out] in x's dtype, W the GGUF weight used as [in, out].
 
     backend "pallas": the fused `tqjax.pallas.ggml_matmul` kernel where it applies; "xla":
-    `_linear_tiled` (decode a cache-sized tile of rows, then dot: on CPU XLA cannot fuse the
-    decoding into the dot, and a one-pass multiply-reduce measured slower). None = the
+    decode, then one dot (on CPU XLA cannot fuse the decoding into the dot; a one-pass
+    multiply-reduce measured slower); weights over UNTILED_WEIGHTS values (embedding heads) in
+    tiles of TILE_WEIGHTS (a whole-head f32 temporary measured ~10x slower, a loop over
+    tiles costs ~ms per step on medium weights). None = the
     current backend (`tqjax.pallas.backend`).
     """
     if x.shape[-1] != w.in_features:
@@ -261,7 +264,8 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
     if resolve_backend(backend) == "pallas":
         if gm.supported(x2.shape, w):
             return gm.ggml_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
-    y = _linear_tiled(x2, w, TILE_WEIGHTS)
+    whole = w.out_features * w.in_features <= UNTILED_WEIGHTS
+    y = _linear_tiled(x2, w, w.out_features * w.in_features if whole else TILE_WEIGHTS)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
