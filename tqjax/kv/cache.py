@@ -8,6 +8,10 @@ compressed format stores one fp16 scale per vector (prod: two). Turbo stores are
 default: keys centred and channel-balanced, values centred (per-layer statistics from a
 calibration pass), the first 4 positions kept dense (`tqjax.kv.quantized`), and every query
 sees its 32 most recent keys and values exactly (`RecentWindow`).
+
+Attention on the XLA path (`blockwise_attention`) walks the live slots in blocks of `BLOCK`
+with an online softmax, so its cost and memory follow the longest live sequence, not the
+allocated slots, and no store is ever dequantized whole.
 """
 
 from __future__ import annotations
@@ -299,7 +303,7 @@ def _write_window(recent: RecentWindow, k: jax.Array, v: jax.Array,
 
 def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
            start: jax.Array, backend: str | None = None) -> tuple[jax.Array, LayerCache]:
-    """Write this chunk's keys/values, then causal attention over the whole cache.
+    """Write this chunk's keys/values, then causal attention over the cache (its live slots).
 
     q [B, T, H, hd], k/v [B, T, KV, hd] (post-RoPE), start int32 [B]: slot of the chunk's
     first token per sequence. Slot s is visible to query t iff s <= start + t.

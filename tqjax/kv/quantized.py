@@ -3,7 +3,7 @@
 TurboQuant stores keep packed Lloyd–Max codes of the *rotated* vectors plus one fp16 scale per
 vector. Attention never leaves the rotated space per slot: a key score is
 ⟨Πq, scale·c⟩ = ⟨q, Πᵀ(scale·c)⟩, and values are accumulated as Σ p·scale·c and rotated back once
-per head output.
+per block of slots (attention walks the cache in blocks) and head output.
 
 Keys may be *centred* first: a per-head vector μ (the pre-RoPE key mean, from calibration) is
 rotated to each slot's position and subtracted before quantizing, and its exact score
