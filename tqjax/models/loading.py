@@ -277,7 +277,8 @@ def build_params(tensors: dict[str, StoredTensor], config: ModelConfig, dtype: j
         from tqjax.quant import ggml
     placed: dict[str, Any] = {}
     order = sorted(names, key=lambda n: -math.prod(tensors[n].shape))
-    for name in tqdm(order, desc=progress, unit="tensor", disable=progress is None, leave=False):
+    for name in tqdm(order, desc=progress, unit="tensor",
+                     disable=True if progress is None else None, leave=False):
         t = tensors[name]
         if blocks and t.ggml_type in ggml.SUPPORTED_TYPES and len(t.shape) == 2:
             w = ggml.from_gguf(t.raw(), t.ggml_type, t.shape)
