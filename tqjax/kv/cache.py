@@ -384,6 +384,12 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
         return m_new, lsum, acc
 
     live = jnp.max(bound) + 1  # slots any row can see
-    n_blocks = jnp.clip((live + size - 1) // size, 0, -(-slots // size))
-    _, lsum, acc = jax.lax.fori_loop(0, n_blocks, step, (m, lsum, acc))
+    n_blocks = (live + size - 1) // size
+
+    def maybe_step(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        # blocks past the live length are skipped; a static trip count keeps the loop a scan,
+        # which reverse-mode differentiation needs (Fisher diagonals, calibration gradients)
+        return jax.lax.cond(i < n_blocks, step, lambda _, c: c, i, carry)
+
+    _, lsum, acc = jax.lax.fori_loop(0, -(-slots // size), maybe_step, (m, lsum, acc))
     return acc / lsum[..., None]
