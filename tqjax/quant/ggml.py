@@ -40,6 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqjax.errors import TqjaxError
 from tqjax.pallas import ggml_matmul as gm
 from tqjax.pallas.backend import resolve as resolve_backend
+from tqjax.quant.tiling import column_tiles
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES: tuple[int, ...] = tuple(int(t) for t in (
@@ -236,15 +237,7 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
         return jax.lax.dot_general(x, v.astype(x.dtype), (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
-    tiles, rest = divmod(n, rows)
-    if tiles == 1 and not rest:
-        return tile(0, n)
-
-    def body(j: jax.Array, y: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(y, tile(j * rows, rows), j * rows, axis=1)
-
-    y = jax.lax.fori_loop(0, tiles, body, jnp.zeros((x.shape[0], n), jnp.float32))
-    return y.at[:, tiles * rows:].set(tile(tiles * rows, rest)) if rest else y
+    return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
 
 
 def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array:

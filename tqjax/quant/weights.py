@@ -50,6 +50,7 @@ from tqjax.quant import ggml
 from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.packing import pack_bits, unpack_bits, unpack_leading
 from tqjax.quant.rotation import Rotation, make_rotation, rotate, unrotate
+from tqjax.quant.tiling import column_tiles
 
 KINDS = ("tq", "sym", "affine")
 SCALE_DTYPE = jnp.float16
@@ -136,15 +137,7 @@ def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
         wt = _dequantize(cut(w.packed), cut(w.scale), cut(w.offset), w.lut, w.bits, w.group)
         return jnp.dot(x, wt.astype(x.dtype))  # [M, size]
 
-    tiles, rest = divmod(n, cols)
-    if tiles == 1 and not rest:
-        return tile(0, n)
-
-    def body(j: jax.Array, y: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(y, tile(j * cols, cols), j * cols, axis=1)
-
-    y = jax.lax.fori_loop(0, tiles, body, jnp.zeros((x.shape[0], n), x.dtype))
-    return y.at[:, tiles * cols:].set(tile(tiles * cols, rest)) if rest else y
+    return column_tiles(tile, x.shape[0], n, cols, x.dtype)
 
 
 def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
