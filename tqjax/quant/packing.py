@@ -43,50 +43,56 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("bits", "n"))
 def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
-    """Inverse of `pack_bits`: packed uint8 [..., n·bits/8] → codes uint8 [..., n]."""
+    """Inverse of `pack_bits`: packed uint8 [..., n·bits/8] → codes uint8 [..., n]
+    (shifts and masks, see `_unpack`)."""
     if packed.dtype != jnp.uint8:
         raise TqjaxError(f"unpack_bits needs uint8 bytes, got {packed.dtype}")
     size = packed_size(n, bits)
     if packed.shape[-1] != size:
         raise TqjaxError(f"{n} codes of {bits} bits take {size} bytes, got shape {packed.shape}")
-    stream = (packed[..., None] & _bit_weights(8)) != 0  # [..., size, 8] bool
-    stream = stream.reshape(*packed.shape[:-1], n, bits).astype(jnp.uint8)
-    return jnp.sum(stream * _bit_weights(bits), axis=-1, dtype=jnp.uint8)
+    return _unpack(packed, bits, packed.ndim - 1)
 
 
 def unpack_leading(packed: jax.Array, bits: int) -> jax.Array:
-    """`unpack_bits` along the leading axis: packed uint8 [n·bits/8, ...] → codes uint8 [n, ...].
+    """`unpack_bits` along the leading axis: packed uint8 [n·bits/8, ...] → codes uint8 [n, ...]."""
+    if packed.dtype != jnp.uint8:
+        raise TqjaxError(f"unpack_leading needs uint8 bytes, got {packed.dtype}")
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise TqjaxError(f"packing bits must be an integer in 1..8, got {bits!r}")
+    return _unpack(packed, bits, 0)
+
+
+def _unpack(packed: jax.Array, bits: int, axis: int) -> jax.Array:
+    """Codes from the bytes along `axis`: uint8 [..., n·bits/8, ...] → uint8 [..., n, ...].
 
     Pure broadcasts, shifts and masks (no transpose, gather or bit-stream temporary), so XLA
     fuses it into the consumer. For bits dividing 8 each byte is shifted by every code offset;
     otherwise each group of 8 codes (`bits` bytes) is read as one or two 32-bit words.
     """
-    if packed.dtype != jnp.uint8:
-        raise TqjaxError(f"unpack_leading needs uint8 bytes, got {packed.dtype}")
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise TqjaxError(f"packing bits must be an integer in 1..8, got {bits!r}")
-    rest = packed.shape[1:]
-    mask = (1 << bits) - 1
-    expand = (None, slice(None)) + (None,) * len(rest)  # [c] -> [1, c, 1...]
+    shape, mask = packed.shape, (1 << bits) - 1
+    lead, rest = shape[:axis], shape[axis + 1:]
+    trail = (1,) * len(rest)  # a vector of offsets broadcast along a new axis at axis + 1
+
     if 8 % bits == 0:
-        shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8)[expand]
-        return ((packed[:, None] >> shifts) & mask).reshape(-1, *rest)
-    if packed.shape[0] % bits:
-        raise TqjaxError(f"{packed.shape[0]} bytes of {bits}-bit codes are not whole groups of 8")
-    p = packed.reshape(-1, bits, *rest).astype(jnp.uint32)  # [n/8, bits, ...]
+        shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape(-1, *trail)
+        return ((jnp.expand_dims(packed, axis + 1) >> shifts) & mask).reshape(*lead, -1, *rest)
+    if shape[axis] % bits:
+        raise TqjaxError(f"{shape[axis]} bytes of {bits}-bit codes are not whole groups of 8")
+    p = packed.reshape(*lead, -1, bits, *rest).astype(jnp.uint32)  # [..., n/8, bits, ...]
 
     def word(first: int, last: int) -> jax.Array:  # bytes first..last-1 as one little-endian word
-        return functools.reduce(jnp.bitwise_or, [p[:, i] << (8 * (i - first))
-                                                 for i in range(first, last)])
+        return functools.reduce(jnp.bitwise_or, [
+            jax.lax.index_in_dim(p, i, axis + 1, keepdims=False) << (8 * (i - first))
+            for i in range(first, last)])
 
-    def codes(w: jax.Array, shift: int, count: int) -> jax.Array:  # [n/8, count, ...]
-        shifts = jnp.arange(shift, shift + count * bits, bits, dtype=jnp.uint32)[expand]
-        return ((w[:, None] >> shifts) & mask).astype(jnp.uint8)
+    def codes(w: jax.Array, shift: int, count: int) -> jax.Array:  # [..., n/8, count, ...]
+        shifts = jnp.arange(shift, shift + count * bits, bits, dtype=jnp.uint32).reshape(-1, *trail)
+        return ((jnp.expand_dims(w, axis + 1) >> shifts) & mask).astype(jnp.uint8)
 
     if bits <= 4:  # the 8 codes fit one 32-bit word
         out = codes(word(0, bits), 0, 8)
     else:  # codes 0..3 and 4..7 from two words (4·bits + 7 <= 32 bits each)
         first, shift = divmod(4 * bits, 8)
         out = jnp.concatenate([codes(word(0, min(4, bits)), 0, 4),
-                               codes(word(first, bits), shift, 4)], axis=1)
-    return out.reshape(-1, *rest)
+                               codes(word(first, bits), shift, 4)], axis=axis + 1)
+    return out.reshape(*lead, -1, *rest)
