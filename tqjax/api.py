@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from tqjax import fetch
 from tqjax.data import calibration_text
@@ -75,14 +76,20 @@ ON_THE_FLY_CALIBRATION = (4, 512)  # windows x tokens of calibration text for `w
 
 def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
          progress: bool = False, weights: str | None = None, bpw: float | None = None,
-         quantize_embeddings: bool = False) -> Model:
-    """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory, .gguf file or
-    quantized checkpoint directory. `weights` ("tq8", "tq4", "tq3", "mixed" with `bpw`, "int8",
+         quantize_embeddings: bool = False, mesh: Mesh | None = None) -> Model:
+    """Load a model by name (e.g. "smollm2-135m-instruct"), HF directory, .gguf file,
+    quantized checkpoint directory or orbax checkpoint directory (`tqjax.models.
+    orbax_checkpoint`). `weights` ("tq8", "tq4", "tq3", "mixed" with `bpw`, "int8",
     "int8-rot", "int4", "int4-affine") quantizes the linear layers on the fly (GPTQ on a short
     built-in calibration text; `scripts/quantize.py` saves the result instead);
     `quantize_embeddings` quantizes the embedding table and an untied head too, in 8 bits.
     `weights="gguf"` keeps a .gguf file's quantized matrices (embedding and head included) in
-    the file's own blocks (`tqjax.quant.ggml`), no re-quantization."""
+    the file's own blocks (`tqjax.quant.ggml`), no re-quantization. `mesh`
+    (`tqjax.sharding.make_mesh(tp=..., dp=...)`) shards the weights over its devices (and the
+    caches made for them); an orbax checkpoint is read straight onto it."""
+    from tqjax.models.orbax_checkpoint import is_orbax_checkpoint, restore_sharded
+    from tqjax.sharding import shard_params
+
     if weights is None and (bpw is not None or quantize_embeddings):
         raise TqjaxError("a bpw target and quantized embeddings go with a weights method "
                          "(e.g. --weights tq4)")
@@ -91,7 +98,14 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
         raise TqjaxError("weights 'gguf' keeps the file's blocks as they are: no bpw target or "
                          "quantized embeddings")
     path = resolve_path(path_or_name, progress)
-    config, params, meta = load_checkpoint(path, dtype, progress, blocks)
+    orbax = is_orbax_checkpoint(path)
+    if orbax and weights is not None:
+        raise TqjaxError(f"{path} is an orbax checkpoint of finished weights; load it without "
+                         f"a weights method")
+    if orbax:
+        config, params, meta = restore_sharded(path, mesh, dtype)
+    else:
+        config, params, meta = load_checkpoint(path, dtype, progress, blocks)
     if not path.is_dir():
         tokenizer = tokenizer_from_gguf(meta)
     elif any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
@@ -106,6 +120,8 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
             windows = calibration_windows(tokenizer, calibration_corpus(), count,
                                           min(length, config.max_position))
         params = quantize_params(params, config, spec, windows, progress=progress)
+    if mesh is not None and not orbax:
+        params = shard_params(params, config, mesh)
     return Model(config, params, tokenizer, str(path), dtype)
 
 

@@ -32,10 +32,15 @@ def padded_length(n: int, multiple: int = PAD_MULTIPLE) -> int:
 
 def new_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, slots: int,
               calibration: Calibration | None = None) -> KVCache:
-    """An empty cache; `calibration` (from `calibrate.calibrate`) for centred turbo stores."""
-    return make_cache(spec, batch=batch, slots=slots, num_layers=config.num_layers,
-                      kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                      calibration=calibration, inv_freq=np.asarray(params.rope_inv_freq))
+    """An empty cache; `calibration` (from `calibrate.calibrate`) for centred turbo stores.
+    The cache of a sharded model is sharded on its mesh (`tqjax.sharding.cache_shardings`)."""
+    from tqjax.sharding import mesh_of, shard_cache
+
+    cache = make_cache(spec, batch=batch, slots=slots, num_layers=config.num_layers,
+                       kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                       calibration=calibration, inv_freq=np.asarray(params.rope_inv_freq))
+    mesh = mesh_of(params)
+    return cache if mesh is None else shard_cache(cache, mesh)
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(5,))

@@ -1,0 +1,239 @@
+"""Tensor- and data-parallel sharding of a model and its KV cache (`jax.sharding`, GSPMD).
+
+A 2-D mesh has a data axis "dp" (the batch) and a tensor axis "tp" (attention heads, the MLP
+hidden dimension and the vocabulary). Every array gets a `NamedSharding`: the weights when the
+model is loaded (`shard_params`, `tqjax.load(..., mesh=...)`), the cache when it is created
+(`shard_cache`, called by `tqjax.decode.generate.new_cache` for a sharded model); jit then
+propagates the shardings through the forward pass (GSPMD) and inserts the collectives (one
+all-reduce after each row-parallel linear). The rules live in one place, as logical axes
+mapped to mesh axes (`RULES`) and the logical axes of every weight (`LINEAR_AXES`) and cache
+field (`CACHE_AXES`):
+
+- column-parallel (wq, wk, wv, w_gate, w_up, an untied head; the embedding over the
+  vocabulary): the output dimension is split. Quantized weights split their packed codes,
+  scales and offsets by output column; GGUF blocks split their rows (one row per output).
+  Nothing crosses a Hadamard block: rotations act on the input dimension.
+- row-parallel (wo, w_down): the input dimension is split, so each device multiplies its own
+  heads' (or hidden units') slice and the partial products are summed. A quantized weight is
+  split only at group boundaries (a group is a whole number of Hadamard blocks, and is where
+  its scales change) and only when it is not padded: each shard then rotates its own input
+  slice, no all-to-all. Otherwise it is replicated. GGUF blocks split at block boundaries or
+  are replicated.
+- key/value heads (wk, wv, their biases and every cache array with a head axis) are split
+  when the tensor size divides their count and replicated otherwise (Qwen2.5 has 2 KV heads:
+  at TP 7 each device computes both and keeps the whole cache). A tensor size must divide the
+  number of attention heads (`check_mesh`: a one-line error otherwise); any other dimension it
+  does not divide (an MLP of 4864 at TP 7, an odd vocabulary) is replicated, so per-device
+  bytes say honestly what is split (`device_bytes`).
+- the batch of every cache array is split over "dp" when it divides the batch.
+
+Shared constants (codebooks, rotation signs, RoPE frequencies, norms, cache centres of
+replicated heads) are replicated. On CPU the XLA linear of a quantized weight dequantizes a
+tile of output columns at a time with a `dynamic_slice` (`tqjax.quant.weights`): over a
+column-split weight GSPMD gathers the codes for that loop, so the split saves resident memory
+but not that transient; one-tile backends (GPU) multiply each shard in place.
+
+Multi-host (not tested here): call `jax.distributed.initialize()` (coordinator address,
+process count and id, or the cluster's environment) in every process before anything else
+touches JAX; `jax.devices()` then lists every host's devices and `make_mesh` lays the mesh
+over all of them (put "tp" within a host: its collectives are the frequent ones). Every
+process runs the same program; `tqjax.models.orbax_checkpoint.restore_sharded` reads only the
+shards a process's own devices hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tqjax.errors import TqjaxError
+from tqjax.kv.cache import KVCache
+from tqjax.models.config import ModelConfig
+from tqjax.models.transformer import Params
+from tqjax.quant.ggml import GGMLLinear
+from tqjax.quant.weights import QuantizedLinear
+
+DP, TP = "dp", "tp"
+
+# logical axis -> mesh axis: the sharding rules, in one place
+RULES: dict[str, str | None] = {
+    "batch": DP,
+    "heads": TP,
+    "kv_heads": TP,
+    "mlp": TP,
+    "vocab": TP,
+    "embed": None,
+    "head_dim": None,
+    "slots": None,
+}
+
+# (input, output) logical axes of each linear weight [in, out]
+LINEAR_AXES: dict[str, tuple[str, str]] = {
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "lm_head": ("embed", "vocab"),
+}
+BIAS_AXES: dict[str, str] = {"bq": "heads", "bk": "kv_heads", "bv": "kv_heads"}
+
+_PER_SLOT = ("batch", "kv_heads", "slots")
+# cache field name (a store's, or the recent window's) -> logical axes of that array
+CACHE_AXES: dict[str, tuple[str | None, ...]] = {
+    "data": (*_PER_SLOT, "head_dim"),  # DenseStore [B, KV, S, hd]
+    "q": (*_PER_SLOT, "head_dim"),  # Int8Store [B, KV, S, hd]
+    "scale": _PER_SLOT,  # Int8Store / TurboStore [B, KV, S]
+    "packed": (*_PER_SLOT, None),  # Int4Store / TurboStore [B, KV, S, bytes]
+    "step": (*_PER_SLOT, None),  # Int4Store [B, KV, S, groups]
+    "lo": (*_PER_SLOT, None),
+    "qjl_signs": (*_PER_SLOT, None),  # TurboStore (prod) [B, KV, S, hd/8]
+    "qjl_norm": _PER_SLOT,  # [B, KV, S]
+    "sink": ("batch", "kv_heads", None, "head_dim"),  # [B, KV, n_sink, hd]
+    "center": ("kv_heads", "head_dim"),  # [KV, hd]
+    "chan_scale": ("kv_heads", "head_dim"),  # [KV, hd]
+    "k": ("batch", "kv_heads", None, "head_dim"),  # RecentWindow ring [B, KV, N, hd]
+    "v": ("batch", "kv_heads", None, "head_dim"),
+    "pos": ("batch", None),  # RecentWindow [B, N]
+}
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mesh:
+    """A (dp, tp) mesh over the first dp·tp devices (default `jax.devices()`); the tensor axis
+    varies fastest, so a tensor-parallel group is adjacent devices."""
+    for name, n in (("tensor", tp), ("data", dp)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise TqjaxError(f"{name} parallel size must be a positive integer, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * dp > len(devices):
+        hint = (f" (on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{tp * dp})" if devices and devices[0].platform == "cpu" else "")
+        raise TqjaxError(f"a mesh of tp {tp} x dp {dp} needs {tp * dp} devices, "
+                         f"{len(devices)} available{hint}")
+    grid = np.asarray(devices[: tp * dp], dtype=object).reshape(dp, tp)
+    return Mesh(grid, (DP, TP))
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+    """Devices along mesh axis `name` (1 when the mesh has no such axis)."""
+    return int(mesh.shape.get(name, 1))
+
+
+def mesh_axis(mesh: Mesh, logical: str | None, size: int) -> str | None:
+    """The mesh axis a dimension of `size` along `logical` is split over, or None (replicated:
+    no rule, a mesh axis of 1, or a size it does not divide)."""
+    name = RULES.get(logical) if logical else None
+    if name is None:
+        return None
+    n = axis_size(mesh, name)
+    return name if n > 1 and size % n == 0 else None
+
+
+def check_mesh(config: ModelConfig, mesh: Mesh) -> None:
+    """A tensor size must divide the attention heads (a one-line TqjaxError otherwise)."""
+    tp = axis_size(mesh, TP)
+    if config.num_heads % tp:
+        ok = [d for d in range(1, config.num_heads + 1) if config.num_heads % d == 0]
+        raise TqjaxError(f"tensor parallel size {tp} does not divide the model's "
+                         f"{config.num_heads} attention heads (choose from "
+                         f"{', '.join(map(str, ok))})")
+
+
+def _spec(mesh: Mesh, *axes: str | None) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*axes))
+
+
+def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh) -> Any:
+    """Shardings (a pytree like w) of a linear weight used as [in, out] along the logical
+    axes in_axis / out_axis: dense [in, out], QuantizedLinear or GGMLLinear (see the module
+    docstring for where each may split)."""
+    rep = _spec(mesh)
+    if isinstance(w, QuantizedLinear):
+        groups = w.scale.shape[0]
+        rows = mesh_axis(mesh, in_axis, groups) if w.padded_in == w.in_features else None
+        cols = mesh_axis(mesh, out_axis, w.out_features)
+        split = _spec(mesh, rows, cols)
+        return jax.tree.map(lambda _: rep, w).replace(
+            packed=split, scale=split, offset=None if w.offset is None else split)
+    if isinstance(w, GGMLLinear):  # data [out, in-blocks · type size]
+        blocks = w.in_features // w.block
+        rows = mesh_axis(mesh, in_axis, blocks)
+        return w.replace(data=_spec(mesh, mesh_axis(mesh, out_axis, w.out_features), rows))
+    k, n = w.shape
+    return _spec(mesh, mesh_axis(mesh, in_axis, k), mesh_axis(mesh, out_axis, n))
+
+
+def param_shardings(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
+    """A Params-shaped pytree of NamedSharding for `params` on `mesh` (shapes and static fields
+    only are read, so abstract params of ShapeDtypeStruct leaves work too)."""
+    check_mesh(config, mesh)
+    rep = _spec(mesh)
+    layers = []
+    for lp in params.layers:
+        out = jax.tree.map(lambda _: rep, lp)
+        fields = {name: weight_shardings(getattr(lp, name), *axes, mesh)
+                  for name, axes in LINEAR_AXES.items() if name != "lm_head"}
+        fields |= {name: _spec(mesh, mesh_axis(mesh, axis, getattr(lp, name).shape[0]))
+                   for name, axis in BIAS_AXES.items() if getattr(lp, name) is not None}
+        layers.append(out.replace(**fields))
+    embed = params.embed
+    if isinstance(embed, (QuantizedLinear, GGMLLinear)):  # embedᵀ [D, V] / blocks with out = V
+        embed_sh = weight_shardings(embed, "embed", "vocab", mesh)
+    else:  # dense [V, D]
+        embed_sh = _spec(mesh, mesh_axis(mesh, "vocab", embed.shape[0]), None)
+    head = None if params.lm_head is None else weight_shardings(
+        params.lm_head, *LINEAR_AXES["lm_head"], mesh)
+    return Params(embed=embed_sh, layers=layers, final_norm=rep, lm_head=head,
+                  rope_inv_freq=rep)
+
+
+def shard_params(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
+    """params placed on `mesh` by `param_shardings` (each device keeps its shards)."""
+    return jax.device_put(params, param_shardings(params, config, mesh))
+
+
+def _field_name(path: tuple[Any, ...]) -> str | None:
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    return names[-1] if names else None
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """A KVCache-shaped pytree of NamedSharding: batch over "dp", KV heads over "tp" where
+    they divide (`CACHE_AXES`); quantizer constants, codebooks and QJL matrices replicated."""
+
+    def one(path: tuple[Any, ...], leaf: jax.Array) -> NamedSharding:
+        axes = CACHE_AXES.get(_field_name(path) or "")
+        if axes is None or len(axes) != leaf.ndim:
+            return _spec(mesh)
+        return _spec(mesh, *(mesh_axis(mesh, a, n) for a, n in zip(axes, leaf.shape,
+                                                                     strict=True)))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """cache placed on `mesh` by `cache_shardings`."""
+    return jax.device_put(cache, cache_shardings(cache, mesh))
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+    """The mesh a pytree's arrays are placed on (by `shard_params`), or None."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def device_bytes(tree: Any) -> dict[int, int]:
+    """Resident bytes per device id: Σ over leaves of `shard.data.nbytes` of its shards."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
