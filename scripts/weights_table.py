@@ -3,7 +3,7 @@ exact bits per weight, quantize time and quantized-checkpoint load time, on seve
 texts, plus tq4 weights combined with a compressed KV cache (total memory at 8k tokens).
 With `--first-order`, each quantized run's ΔNLL is also split into g·Δ, the first-order term
 (the luck of how the rounding falls against the text), and the rest (see
-`tqjax.eval.first_order_nll`).
+`tqjax.research.first_order`).
 
     python scripts/weights_table.py --models smollm2-135m-instruct --texts shakespeare:macbeth \
         --runs int8,int4,tq4 --ctx-size 2048 --max-tokens 8192 --out weights_table.json
@@ -12,7 +12,7 @@ Writes the JSON (rewritten atomically after every model and text, so a long run 
 while it goes) and a markdown table next to it (`.md`): one table per model and text, then, for a
 model measured on several texts, one pooled over all of them (every predicted token weighs the
 same). `--report A.json [B.json ...]` only prints the tables of saved runs, merged. GPTQ and
-mixed-precision runs calibrate on `tqjax.models.quantize.calibration_corpus()`, which never
+mixed-precision runs calibrate on `tqjax.models.calibration.calibration_corpus()`, which never
 overlaps the evaluation texts.
 """
 
@@ -132,7 +132,7 @@ def report_rows(paths: list[Path]) -> list[dict]:
 
 
 def main() -> int:
-    from tqjax.models.quantize import CALIBRATION_CHARS, CALIBRATION_WINDOWS
+    from tqjax.models.calibration import CALIBRATION_CHARS, CALIBRATION_WINDOWS
 
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
@@ -148,8 +148,6 @@ def main() -> int:
                    help="characters per part (prose, code) of the calibration corpus")
     p.add_argument("--seed", type=int, default=0,
                    help="rotation seed of the quantized runs (a different quantization noise)")
-    p.add_argument("--float-targets", action="store_true",
-                   help="GPTQ against the unquantized model's outputs (WeightSpec.float_targets)")
     p.add_argument("--checkpoint-run", default="tq4",
                    help="run saved as a quantized checkpoint to time its load and size")
     p.add_argument("--first-order", action="store_true",
@@ -168,19 +166,14 @@ def main() -> int:
     import tqjax
     from tqjax.api import kv_footprint
     from tqjax.atomic import write_text
-    from tqjax.eval import first_order_nll, sweep
+    from tqjax.eval import sweep
     from tqjax.fetch import corpus_text
     from tqjax.kv.cache import check_spec
+    from tqjax.models.calibration import calibration_corpus, calibration_windows
     from tqjax.models.checkpoint import save_quantized
-    from tqjax.models.quantize import (
-        WeightSpec,
-        calibration_corpus,
-        calibration_windows,
-        get_path,
-        linear_paths,
-        params_bits,
-        quantize_params,
-    )
+    from tqjax.models.quantize import WeightSpec, get_path, linear_paths, quantize_params
+    from tqjax.quant.accounting import params_bits
+    from tqjax.research.first_order import first_order_nll
 
     if args.calibration_chars < 1:
         raise tqjax.TqjaxError(f"--calibration-chars must be >= 1, got {args.calibration_chars}")
@@ -212,8 +205,7 @@ def main() -> int:
         variants = {"f32": (model, tqjax.CacheSpec())}
         for run in runs:
             method, bpw, calibrated, embeddings = RUNS[run]
-            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed,
-                              float_targets=args.float_targets and calibrated)
+            spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed)
             t0 = time.perf_counter()
             params = quantize_params(model.params, model.config, spec,
                                      windows if calibrated else None, progress=True)

@@ -139,8 +139,9 @@ def test_first_order_nll_is_the_slope_of_the_nll_along_the_weight_errors(model):
     first_order_nll matches a central finite difference of the NLL along them."""
     import dataclasses
 
-    from tqjax.eval import first_order_nll, sweep, weight_errors
+    from tqjax.eval import sweep
     from tqjax.models.quantize import WeightSpec, get_path, linear_paths, quantize_params, set_paths
+    from tqjax.research.first_order import first_order_nll, weight_errors
 
     spec = WeightSpec("int4", quantize_embeddings=True)
     quantized = quantize_params(model.params, model.config, spec)

@@ -1,5 +1,6 @@
 """The package imports only downward: utilities, then the TurboQuant core and the Pallas kernels,
-then the KV cache, the models, decoding, and the public API on top; no module-level cycles."""
+then the KV cache, the models, decoding, the public API, research analyses over it, and the
+command-line programs on top; no module-level cycles."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import tqjax
 
 ROOT = Path(tqjax.__file__).parent
 RANK = {"errors": 0, "atomic": 0, "data": 0, "fetch": 0, "quant": 1, "pallas": 1, "kv": 2,
-        "models": 3, "decode": 4, "api": 5, "eval": 5, "cli": 5, "__init__": 5}
+        "models": 3, "decode": 4, "api": 5, "eval": 5, "cli": 5, "__init__": 5, "research": 6,
+        "commands": 7}
 RANK["sharding"] = 3  # tqjax/sharding.py: over kv and models, under decode and api
 
 

@@ -14,21 +14,21 @@ from tqjax.decode.generate import new_cache
 from tqjax.errors import TqjaxError
 from tqjax.fetch import PYTHON_STDLIB_MODULES
 from tqjax.models import checkpoint as ckpt
-from tqjax.models.quantize import (
+from tqjax.models.calibration import (
     CALIBRATION_CHARS,
     CALIBRATION_MODULES,
     CALIBRATION_WINDOWS,
-    EMBEDDING_FORMAT,
-    WeightSpec,
+    MAX_CALIBRATION_CHARS,
     calibration_corpus,
     calibration_source,
     calibration_windows,
-    cross_drift,
+)
+from tqjax.models.quantize import (
+    EMBEDDING_FORMAT,
+    WeightSpec,
     fisher_diagonal,
-    float_target,
     get_path,
     linear_paths,
-    params_bits,
     quantize_params,
     run_sequential,
     weight_formats,
@@ -36,6 +36,7 @@ from tqjax.models.quantize import (
 from tqjax.models.tokenizer import tokenizer_from_gguf
 from tqjax.models.transformer import forward
 from tqjax.quant import weights as qw
+from tqjax.quant.accounting import params_bits
 from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.mixed import (
     _lower_hull,
@@ -411,49 +412,6 @@ def test_sequential_stages_reproduce_forward(tiny):
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
-def test_float_target_is_the_ridge_least_squares_weight():
-    rng = np.random.default_rng(0)
-    xf = rng.normal(size=(2, 96, 16)).astype(np.float32)  # two windows of float-model inputs
-    xq = xf + 0.2 * rng.normal(size=xf.shape).astype(np.float32)  # the drifted inputs
-    rf, rq = (rng.normal(size=(2, 96, 8)).astype(np.float32) for _ in range(2))  # streams
-    w = rng.normal(size=(16, 8)).astype(np.float32)
-    acts, refs = [jnp.asarray(a) for a in xq], [jnp.asarray(a) for a in xf]
-    h = jnp.asarray(np.einsum("wtk,wtj->kj", xq, xq))
-    drift = cross_drift(acts, refs, acts)
-    residual = cross_drift(acts, [jnp.asarray(r) for r in rf], [jnp.asarray(r) for r in rq])
-    x2 = xq.reshape(-1, 16)
-    want = np.linalg.lstsq(x2, xf.reshape(-1, 16) @ w + (rf - rq).reshape(-1, 8), rcond=None)[0]
-    got = float_target(jnp.asarray(w), h, drift, residual, 0.0)
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
-
-    def miss(v):  # how far the drifted inputs land from the float outputs
-        return float(np.sum((xf.reshape(-1, 16) @ w - x2 @ np.asarray(v)) ** 2))
-
-    best = np.linalg.lstsq(x2, xf.reshape(-1, 16) @ w, rcond=None)[0]
-    ridge = float_target(jnp.asarray(w), h, drift, None, 0.01)
-    assert miss(best) <= miss(ridge) < min(1.01 * miss(best), 0.95 * miss(w))
-    np.testing.assert_allclose(float_target(jnp.asarray(w), h, 0 * drift, None, 0.01), w)
-
-
-def test_float_targets_compensate_an_earlier_layers_error(tiny):
-    windows = np.random.default_rng(1).integers(0, 256, (4, 48)).astype(np.int32)
-    noise = jax.random.normal(jax.random.PRNGKey(0), tiny.params.layers[0].w_down.shape)
-
-    def perturb_first(path, w, h):  # only layer 0's down_proj is damaged; the rest is exact
-        return w + 0.3 * jnp.std(w) * noise if path == "layers.0.w_down" else w
-
-    _, exact = run_sequential(tiny.params, tiny.config, windows, lambda p, w, h: w, True)
-    errors = {}
-    for damp in (None, 0.01):
-        _, hidden = run_sequential(tiny.params, tiny.config, windows, perturb_first, True, damp)
-        errors[damp] = rel_err(jnp.concatenate(hidden), jnp.concatenate(exact))
-    assert errors[0.01] < 0.5 * errors[None]
-    _, same = run_sequential(tiny.params, tiny.config, windows, lambda p, w, h: w, True, 0.01)
-    np.testing.assert_allclose(jnp.concatenate(same), jnp.concatenate(exact), atol=1e-5)
-    with pytest.raises(TqjaxError, match="float targets need calibration"):
-        quantize_params(tiny.params, tiny.config, WeightSpec("tq4", float_targets=True))
-
-
 @pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int8-rot", 0.03), ("int4", 0.35),
                                            ("tq4", 0.35)])
 def test_quantized_forward_close_to_dense(tiny, tiny_ref, method, budget):
@@ -540,6 +498,44 @@ def test_calibration_text_is_not_evaluation_text():
     assert calibration_source("builtin") == calibration_text()
     with pytest.raises(TqjaxError, match="corpus"):
         calibration_source("wikipedia")
+
+
+def test_default_calibration_ships_offline(monkeypatch):
+    """The default corpus needs neither pip nor the network: it is read from tqjax/data, cut per
+    part, and bounded by what ships."""
+    import tqjax.fetch
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("calibration must not download")
+
+    monkeypatch.setattr(tqjax.fetch, "_pip_download", no_download)
+    monkeypatch.setattr(tqjax.fetch, "_corpus_root", no_download)
+    short = calibration_corpus(3000)  # the built-in text (2143 characters), then Milton
+    assert len(short) == 6001 and short[3000] == "\n"
+    assert calibration_corpus().startswith(short[:3000])
+    assert "PARADISE LOST" in short[:3000] and "import" in short[3001:]
+    with pytest.raises(TqjaxError, match="calibration chars"):
+        calibration_corpus(MAX_CALIBRATION_CHARS + 1)
+
+
+@pytest.mark.slow
+def test_shipped_calibration_is_its_sources():
+    """tqjax/data's prose is the miltondata Paradise Lost, its code this interpreter's stdlib
+    modules (checked where the interpreter is the 3.11 the file was cut from)."""
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from tqjax.data import calibration_part
+    from tqjax.fetch import corpus_text
+
+    prose = calibration_part("prose")
+    assert len(prose) == MAX_CALIBRATION_CHARS
+    assert prose == corpus_text("milton:paradiselost")[:MAX_CALIBRATION_CHARS]
+    if sys.version_info[:2] == (3, 11):
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        code = "\n".join((stdlib / m).read_text(encoding="utf-8") for m in CALIBRATION_MODULES)
+        assert calibration_part("code") == code[:MAX_CALIBRATION_CHARS]
 
 
 def test_default_calibration_fills_its_windows():
@@ -664,21 +660,42 @@ def test_gguf_tokenizer_is_saved_and_reloaded(saved, tmp_path, tiny):
 
 
 
-def test_quantize_script_json(tmp_path, monkeypatch, capsys):
-    import runpy
-    import sys
+def test_quantize_script_json(tmp_path, capsys):
+    from tqjax.commands.quantize import run
 
-    script = runpy.run_path(str(GOLDEN.parent / "scripts" / "quantize.py"))
     out = tmp_path / "q"
-    monkeypatch.setattr(sys, "argv", ["quantize.py", "--model", str(GOLDEN / "tiny" / "llama"),
-                                      "--out", str(out), "--weights", "int4-affine",
-                                      "--calibration", "none", "--json"])
-    assert script["main"]() == 0
+    assert run(["--model", str(GOLDEN / "tiny" / "llama"), "--out", str(out), "--weights",
+                "int4-affine", "--calibration", "none", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"bpw", "bytes", "seconds"} <= set(result)
     assert result["bytes"] == sum(f.stat().st_size for f in out.iterdir())
     assert abs(result["bpw"] - 5.0) < 0.01  # 4-bit codes + f16 scale and offset per 32
     assert ckpt.is_quantized_checkpoint(out)
+    assert json.loads((out / "quantization.json").read_text())["method"]["calibration_sha256"] \
+        is None
+
+
+def test_quantize_records_the_calibration_sha256(tmp_path):
+    """A calibrated checkpoint names its calibration text by the sha256 of the shipped file."""
+    import hashlib
+    import shutil
+    from importlib import resources
+
+    from tqjax.commands.quantize import run
+
+    from .test_cli import make_byte_tokenizer
+
+    model = tmp_path / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", model)
+    make_byte_tokenizer(model)
+    out = tmp_path / "q"
+    assert run(["--model", str(model), "--out", str(out), "--weights", "int8", "--calibration",
+                "builtin", "--calibration-windows", "2", "--calibration-length", "64",
+                "--json"]) == 0
+    method = json.loads((out / "quantization.json").read_text())["method"]
+    shipped = resources.files("tqjax.data").joinpath("calibration.txt").read_bytes()
+    assert method["calibration_sha256"] == hashlib.sha256(shipped).hexdigest()
+    assert (method["calibration"], method["calibration_tokens"]) == ("builtin", 128)
 
 
 @pytest.fixture(scope="module")

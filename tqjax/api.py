@@ -23,14 +23,10 @@ from tqjax.decode.generate import (
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
+from tqjax.models.calibration import calibration_corpus, calibration_windows
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import GGUF_WEIGHTS, load_checkpoint
-from tqjax.models.quantize import (
-    WeightSpec,
-    calibration_corpus,
-    calibration_windows,
-    quantize_params,
-)
+from tqjax.models.quantize import WeightSpec, quantize_params
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from tqjax.models.transformer import Params
 

@@ -37,9 +37,9 @@ from tqjax.atomic import replace_dir
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
 from tqjax.models.config import ModelConfig, RopeScaling
-from tqjax.models.quantize import params_bits
 from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LayerParams, Params
+from tqjax.quant.accounting import params_bits
 from tqjax.quant.rotation import Rotation
 from tqjax.quant.weights import KINDS, QuantizedLinear
 

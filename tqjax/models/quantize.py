@@ -1,4 +1,6 @@
-"""Quantizing a whole model's linears: `WeightSpec`, `quantize_params`, `params_bits`.
+"""Quantizing a whole model's linears: `WeightSpec`, `quantize_params` (the sequential GPTQ
+pipeline and the mixed-precision allocation). Calibration text: `models/calibration.py`; bits
+accounting: `quant/accounting.py`.
 
 Every decoder linear (q/k/v/o, gate/up/down) becomes a `QuantizedLinear`; norms and biases stay
 dense, and so do the token embedding and output head unless `quantize_embeddings` is set.
@@ -11,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,13 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tqjax.data import calibration_text
 from tqjax.errors import TqjaxError
-from tqjax.fetch import corpus_text
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
-from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import (
     LayerParams,
     Params,
@@ -87,9 +84,7 @@ class WeightSpec:
       nearest, stored as embedᵀ so a tied head reads the same codes) and an untied output head
       (`EMBEDDING_FORMAT`, GPTQ when calibrated): fixed formats whose bits count in the mixed
       budget, so `bpw` is then the average over every quantized tensor.
-      seed: rotation seed. damp: GPTQ relative dampening. float_targets: GPTQ aims every
-      layer at the unquantized model's output (`run_sequential`), so each layer compensates
-      the error of the ones before it (off by default: better on SmolLM2, worse on Qwen2.5).
+    seed: rotation seed. damp: GPTQ relative dampening.
     """
 
     method: str = "tq4"
@@ -98,7 +93,6 @@ class WeightSpec:
     quantize_embeddings: bool = False
     seed: int = 0
     damp: float = 0.01
-    float_targets: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in (*METHODS, MIXED):
@@ -178,91 +172,41 @@ _embed = jax.jit(embed_tokens)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _add_outer(c: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+def _add_gram(c: jax.Array, a: jax.Array) -> jax.Array:
     rows = a.reshape(-1, a.shape[-1]).astype(jnp.float32)
-    return c + rows.T @ b.reshape(rows.shape[0], -1).astype(jnp.float32)
-
-
-def _outer_sum(acts: list[jax.Array], others: list[jax.Array]) -> jax.Array:
-    """Σ aᵀb over every row of every window pair (a [..., K], b [..., M]) -> f32 [K, M], one
-    window at a time (one jitted sum over all of them would hold a product per window)."""
-    c = jnp.zeros((acts[0].shape[-1], others[0].shape[-1]), jnp.float32)
-    for a, b in zip(acts, others, strict=True):
-        c = _add_outer(c, a, b)
-    return c
+    return c + rows.T @ rows
 
 
 def _gram(acts: list[jax.Array]) -> jax.Array:
-    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K]."""
-    return _outer_sum(acts, acts)
+    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K], one window at a time
+    (one jitted sum over all of them would hold a product per window)."""
+    c = jnp.zeros((acts[0].shape[-1],) * 2, jnp.float32)
+    for a in acts:
+        c = _add_gram(c, a)
+    return c
 
 
 Quantizer = Callable[[str, Any, jax.Array], Any]
 
 
-def cross_drift(acts: list[jax.Array], refs: list[jax.Array],
-                bases: list[jax.Array]) -> jax.Array:
-    """Σ aᵀ(ref − base) over every row of every window: acts [..., K], refs/bases [..., M]
-    -> f32 [K, M]."""
-    return _outer_sum(acts, [r - b for r, b in zip(refs, bases, strict=True)])
-
-
-@jax.jit
-def float_target(w: jax.Array, hessian: jax.Array, drift: jax.Array,
-                 residual: jax.Array | None, damp: float) -> jax.Array:
-    """The weight [K, N] that best maps a layer's inputs x in the partly quantized model to its
-    output in the unquantized one, x_f·w (+ the residual stream's drift r_f − r, for a layer
-    that writes the stream): the ridge least squares w + (H + λI)⁻¹ (C·w + R), with
-    H = Σ xᵀx, C = Σ xᵀ(x_f − x) [K, K], R = Σ xᵀ(r_f − r) [K, N] and λ = damp·mean(diag H)
-    (GPTQ's dampening, which also keeps the correction small where x carries little signal).
-    """
-    k = hessian.shape[0]
-    h = hessian + (damp * jnp.mean(jnp.diag(hessian)) + 1e-12) * jnp.eye(k)
-    rhs = drift @ w.astype(jnp.float32)
-    if residual is not None:
-        rhs = rhs + residual
-    return w + jax.scipy.linalg.solve(h, rhs, assume_a="pos")
-
-
 def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, quantize: Quantizer,
-                   head: bool, float_targets: float | None = None
-                   ) -> tuple[Params, list[jax.Array]]:
+                   head: bool) -> tuple[Params, list[jax.Array]]:
     """Replace linears in model order, each seeing inputs from the already-replaced ones.
 
     windows int32 [W, T] (calibration tokens, each window from position 0). For every linear,
     quantize(path, weight, H) returns its replacement, H = Σ x xᵀ f32 [in, in] over the inputs
     the layer gets in the partly quantized model (the blocks of
     `transformer.forward`, run in stages). `head` also replaces the untied output head.
-
-    float_targets (GPTQ's dampening, or None for the layer's own weight): the unquantized
-    model runs alongside, and the weight handed to `quantize` is its `float_target`: the one
-    that maps the partly quantized model's inputs to the unquantized model's outputs, o_proj
-    and down_proj also cancelling the residual stream's drift. Each layer then compensates
-    the error of the layers before it instead of inheriting it (asymmetric calibration, as in
-    GPTAQ, Li et al. 2025).
     Returns the new params and the final-normed hidden states (one [1, T, D] per window).
     """
     x = [_embed(params.embed, jnp.asarray(w, jnp.int32)[None]) for w in windows]
-    xf = list(x) if float_targets is not None else None  # the unquantized model's stream
     inv_freq, eps = params.rope_inv_freq, config.rms_eps
 
-    Stream = tuple[list[jax.Array], list[jax.Array]]
-
-    def stage(lp: LayerParams, i: int, fields: tuple[str, ...], acts: list[jax.Array],
-              refs: list[jax.Array] | None, stream: Stream | None = None) -> LayerParams:
-        """Quantize `fields` from their inputs `acts` (float model's: `refs`); `stream`
-        (quantized, float residual streams) for a layer that writes the stream."""
+    def stage(lp: LayerParams, i: int, fields: tuple[str, ...],
+              acts: list[jax.Array]) -> LayerParams:
+        """Quantize `fields` from their inputs `acts` (one [1, T, in] per window)."""
         h = _gram(acts)
-        out = {}
-        if refs is not None:
-            drift = cross_drift(acts, refs, acts)
-            residual = None if stream is None else cross_drift(acts, stream[1], stream[0])
-        for f in fields:
-            w = getattr(lp, f)
-            if refs is not None:
-                w = float_target(w, h, drift, residual, float_targets)
-            out[f] = quantize(f"layers.{i}.{f}", w, h)
-        return lp.replace(**out)
+        return lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), h) for f in fields})
 
     def add(xs: list[jax.Array], acts: list[jax.Array], w: Any) -> list[jax.Array]:
         return [_add_linear(xi, a, w) for xi, a in zip(xs, acts, strict=True)]
@@ -270,77 +214,21 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
     layers = []
     for i, dense in enumerate(params.layers):
         hn = [_norm(xi, dense.attn_norm, eps) for xi in x]
-        hf = None if xf is None else [_norm(xi, dense.attn_norm, eps) for xi in xf]
-        lp = stage(dense, i, ("wq", "wk", "wv"), hn, hf)
+        lp = stage(dense, i, ("wq", "wk", "wv"), hn)
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
-        heads_f = None if xf is None else [_heads(dense, config, h, inv_freq) for h in hf]
-        lp = stage(lp, i, ("wo",), heads, heads_f, None if xf is None else (x, xf))
+        lp = stage(lp, i, ("wo",), heads)
         x = add(x, heads, lp.wo)
         hn = [_norm(xi, dense.mlp_norm, eps) for xi in x]
-        if xf is not None:
-            xf = add(xf, heads_f, dense.wo)
-            hf = [_norm(xi, dense.mlp_norm, eps) for xi in xf]
-        lp = stage(lp, i, ("w_gate", "w_up"), hn, hf)
+        lp = stage(lp, i, ("w_gate", "w_up"), hn)
         gated = [_gated(lp, h) for h in hn]
-        gated_f = None if xf is None else [_gated(dense, h) for h in hf]
-        lp = stage(lp, i, ("w_down",), gated, gated_f, None if xf is None else (x, xf))
+        lp = stage(lp, i, ("w_down",), gated)
         x = add(x, gated, lp.w_down)
-        if xf is not None:
-            xf = add(xf, gated_f, dense.w_down)
         layers.append(lp)
     params = params.replace(layers=layers)
     hidden = [_norm(xi, params.final_norm, eps) for xi in x]
     if head and params.lm_head is not None:
-        w, h = params.lm_head, _gram(hidden)
-        if xf is not None:
-            hf = [_norm(xi, params.final_norm, eps) for xi in xf]
-            w = float_target(w, h, cross_drift(hidden, hf, hidden), None, float_targets)
-        params = params.replace(lm_head=quantize("lm_head", w, h))
+        params = params.replace(lm_head=quantize("lm_head", params.lm_head, _gram(hidden)))
     return params, hidden
-
-
-# ---------------------------------------------------------------- calibration text
-
-# Standard-library modules used as calibration code: disjoint from `fetch.PYTHON_STDLIB_MODULES`
-# (the evaluation text), checked in tests.
-CALIBRATION_MODULES = ("textwrap.py", "heapq.py", "shutil.py", "tarfile.py", "ast.py", "difflib.py",
-                       "enum.py")
-CALIBRATION_CHARS = 160_000  # per part (prose, code): room for 32 windows of 1024 tokens
-CALIBRATION_WINDOWS = 32  # windows of 1024 tokens for saved checkpoints (scripts/quantize.py)
-
-
-def calibration_corpus(chars: int = CALIBRATION_CHARS) -> str:
-    """Default calibration text: the built-in calibration text and Milton's Paradise Lost
-    (prose/verse), then `CALIBRATION_MODULES` (code), each part cut to `chars` characters."""
-    prose = calibration_text() + "\n" + corpus_text("milton:paradiselost")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    code = "\n".join((stdlib / m).read_text(encoding="utf-8") for m in CALIBRATION_MODULES)
-    return prose[:chars] + "\n" + code[:chars]
-
-
-def calibration_source(spec: str) -> str | None:
-    """Calibration text for a user-facing choice: "default" (`calibration_corpus`), "builtin"
-    (tqjax/data/calibration.txt), "none" (data-free: None), or corpus specs of
-    `tqjax.fetch.corpus_text` joined by "+" (e.g. "shakespeare:hamlet+milton:comus")."""
-    if spec == "none":
-        return None
-    if spec == "default":
-        return calibration_corpus()
-    if spec == "builtin":
-        return calibration_text()
-    return "\n".join(corpus_text(part) for part in spec.split("+"))
-
-
-def calibration_windows(tokenizer: Tokenizer, text: str, count: int = 8,
-                        length: int = 1024) -> np.ndarray:
-    """`count` windows of `length` token ids spread evenly over `text` -> int32 [count, length]."""
-    ids = np.asarray(tokenizer.encode(text), np.int32)
-    n = len(ids) // length
-    if n < count:
-        raise TqjaxError(f"calibration text has {len(ids)} tokens; {count} windows of {length} "
-                         f"need {count * length}")
-    starts = np.linspace(0, n - 1, count).astype(int) * length
-    return np.stack([ids[s:s + length] for s in starts])
 
 
 # ---------------------------------------------------------------- Fisher information
@@ -436,8 +324,6 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     if any(isinstance(get_path(params, p), QuantizedLinear) for p in linear_paths(params)):
         raise TqjaxError("these params are already quantized")
     windows = _check_windows(calibration, config)
-    if spec.float_targets and windows is None:
-        raise TqjaxError("float targets need calibration text (they steer GPTQ)")
     paths = linear_paths(params, spec.quantize_embeddings)
     formats = weight_formats(params, config, spec, paths, windows, progress)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
@@ -464,44 +350,5 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
     with bar:
         if windows is None:
             return set_paths(params, {p: quantize(p, get_path(params, p), None) for p in paths})
-        params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
-                                   spec.damp if spec.float_targets else None)
+        params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats)
     return params
-
-
-# ---------------------------------------------------------------- accounting
-
-
-def params_bits(params: Params) -> dict[str, float]:
-    """Exact storage of params (every array counted once, shared luts/rotations included).
-
-    Returns bytes, params (weights; quantized linears count in·out, rope frequencies are not
-    parameters but their bytes count) and bpw = 8·bytes/params, overall and for the quantized
-    linears alone (`quantized_*`, shared constants included).
-    """
-    seen: set[int] = set()
-
-    def unique_bytes(tree: Any) -> int:
-        total = 0
-        for leaf in jax.tree_util.tree_leaves(tree):
-            if id(leaf) not in seen:
-                seen.add(id(leaf))
-                total += leaf.nbytes
-        return total
-
-    is_q = lambda x: isinstance(x, QuantizedLinear)  # noqa: E731
-    leaves = jax.tree_util.tree_leaves(params.replace(rope_inv_freq=None), is_leaf=is_q)
-    quantized = [leaf for leaf in leaves if is_q(leaf)]
-    q_bytes = sum(unique_bytes(w) for w in quantized)
-    q_params = sum(w.in_features * w.out_features for w in quantized)
-    total_bytes = q_bytes + unique_bytes(params)
-    dense_params = sum(leaf.size for leaf in leaves if not is_q(leaf))
-    n = q_params + dense_params
-    return {
-        "bytes": total_bytes,
-        "params": n,
-        "bpw": 8 * total_bytes / n,
-        "quantized_bytes": q_bytes,
-        "quantized_params": q_params,
-        "quantized_bpw": 8 * q_bytes / q_params if q_params else 0.0,
-    }

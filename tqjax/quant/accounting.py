@@ -1,0 +1,52 @@
+"""Bits accounting of a parameter pytree: exact stored bytes and bits per weight.
+
+One place for it: quantized checkpoints (quantization.json "memory"), scripts/quantize.py,
+the weights tables and the benchmarks all report `params_bits`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from tqjax.quant.weights import QuantizedLinear
+
+
+def unique_bytes(tree: Any, seen: set[int] | None = None) -> int:
+    """Bytes of every array leaf of `tree`, each array counted once (by identity: luts and
+    rotations shared between quantized linears count once); `seen` carries the ids across
+    calls."""
+    seen = set() if seen is None else seen
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            total += leaf.nbytes
+    return total
+
+
+def params_bits(params: Any) -> dict[str, float]:
+    """Exact storage of a model's params (`tqjax.models.transformer.Params`).
+
+    Returns bytes, params (weights; quantized linears count in·out, rope frequencies are not
+    parameters but their bytes count) and bpw = 8·bytes/params, overall and for the quantized
+    linears alone (`quantized_*`, shared constants included).
+    """
+    seen: set[int] = set()
+    is_q = lambda x: isinstance(x, QuantizedLinear)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(params.replace(rope_inv_freq=None), is_leaf=is_q)
+    quantized = [leaf for leaf in leaves if is_q(leaf)]
+    q_bytes = sum(unique_bytes(w, seen) for w in quantized)
+    q_params = sum(w.in_features * w.out_features for w in quantized)
+    total_bytes = q_bytes + unique_bytes(params, seen)
+    dense_params = sum(leaf.size for leaf in leaves if not is_q(leaf))
+    n = q_params + dense_params
+    return {
+        "bytes": total_bytes,
+        "params": n,
+        "bpw": 8 * total_bytes / n,
+        "quantized_bytes": q_bytes,
+        "quantized_params": q_params,
+        "quantized_bpw": 8 * q_bytes / q_params if q_params else 0.0,
+    }
