@@ -100,3 +100,75 @@ def test_put_row_with_fewer_slots_fills_the_first(model):
         pc.take_row(merged, 3)
     with pytest.raises(TqjaxError, match="does not match"):
         pc.put_row(gen.new_cache(model.params, model.config, CacheSpec(), 1, 64), 0, small)
+
+
+def meta_for(model, spec, params=None):
+    return pc.cache_meta(model.config, params or model.params, model.tokenizer, spec,
+                         model.calibration(spec))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_saved_cache_restores_bit_for_bit(model, name, tmp_path):
+    """Save after a prefill of n tokens, restore into a cache of the same slots: the next two
+    decode steps give the same logits bit for bit; only the live positions are stored."""
+    spec = SPECS[name]
+    prompt = np.random.default_rng(2).integers(3, 256, 45).tolist()
+    cache = filled(model, spec, [prompt], 128)
+    meta = meta_for(model, spec)
+    path = tmp_path / "p.tqkv"
+    pc.save_prompt_cache(path, cache, prompt, meta)
+    restored, ids = pc.load_prompt_cache(path, meta, 128)
+    assert ids == prompt and restored.slots == 128
+
+    step = jax.jit(lambda c, t, s: gen.forward(model.params, model.config, t, s, c,
+                                               out_index=jnp.zeros(1, jnp.int32)))
+    for pos, tok in ((45, 9), (46, 77)):
+        want, cache = step(cache, jnp.asarray([[tok]]), jnp.asarray([pos], jnp.int32))
+        got, restored = step(restored, jnp.asarray([[tok]]), jnp.asarray([pos], jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # a bigger row works too (other attention blocks: equal to rounding)
+    bigger, _ = pc.load_prompt_cache(path, meta, 1024)
+    got, _ = step(bigger, jnp.asarray([[9]]), jnp.asarray([45], jnp.int32))
+    first, _ = step(filled(model, spec, [prompt], 128), jnp.asarray([[9]]),
+                    jnp.asarray([45], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(first), atol=1e-5, rtol=1e-5)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "numpy") as f:  # stored: 45 positions, not the 128 slots
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    slot_axes = [s[2] for k, s in shapes.items() if k.endswith((".data", ".packed", ".q"))]
+    assert slot_axes and set(slot_axes) == {45}
+
+
+def test_bad_prompt_cache_files_are_refused(model, tmp_path):
+    spec = SPECS["turbo4"]
+    prompt = np.random.default_rng(3).integers(3, 256, 20).tolist()
+    meta = meta_for(model, spec)
+    good = tmp_path / "good.tqkv"
+    pc.save_prompt_cache(good, filled(model, spec, [prompt], 64), prompt, meta)
+    data = good.read_bytes()
+
+    def refused(blob, match, m=meta, slots=64):
+        bad = tmp_path / "bad.tqkv"
+        bad.write_bytes(blob)
+        with pytest.raises(TqjaxError, match=match) as e:
+            pc.load_prompt_cache(bad, m, slots)
+        assert "\n" not in str(e.value)
+
+    other = model.params.replace(final_norm=model.params.final_norm * 1.5)
+    refused(data, "another model", meta_for(model, spec, other))
+    refused(data, "another cache type", meta_for(model, SPECS["turbo4/turbo3"]))
+    refused(data, "another cache type", meta_for(model, CacheSpec("turbo4", "turbo4", seed=1)))
+    refused(data[: len(data) - 100], "truncated or corrupt")
+    refused(data[:40], "truncated or corrupt")
+    for at in (len(data) - 50, len(data) // 2):  # a flipped byte in the arrays
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        refused(bytes(flipped), "corrupt")
+    header_len = int.from_bytes(data[:8], "little")
+    text = data[8:8 + header_len].replace(b'"version":"1"', b'"version":"2"')
+    assert len(text) == header_len
+    refused(data[:8] + text + data[8 + header_len:], "format version 2")
+    refused(data, "holds 20 tokens, more than the 16 slots", slots=16)
+    with pytest.raises(TqjaxError, match="no such"):
+        pc.load_prompt_cache(tmp_path / "missing.tqkv", meta, 64)

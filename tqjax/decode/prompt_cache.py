@@ -1,4 +1,5 @@
-"""Rows of a KV cache: copy one sequence's cache out of a batch and back in.
+"""Prompt caches: one sequence's KV cache copied out of a batch and back (`take_row`/`put_row`),
+and saved to / restored from a file (`save_prompt_cache`/`load_prompt_cache`).
 
 Every array of a cache is one of three kinds (the rule `tqjax.kv.cache.bytes_per_token` uses):
 
@@ -7,16 +8,49 @@ Every array of a cache is one of three kinds (the rule `tqjax.kv.cache.bytes_per
   recent-token ring (`RecentWindow`: k/v [B, KV, N, hd], pos [B, N]);
 - per-layer constants (no batch axis): centres, rope frequencies, channel scales, rotations,
   codebooks, QJL matrices. They come from the spec, the calibration and the seed, never from a
-  row: `put_row` keeps the target cache's.
-"""
+  row: `put_row` keeps the target cache's, and a saved file holds only their sha256 (checked
+  against the target cache's on load) and none of their values.
+
+File format: one safetensors file (a single-host blob of a batch-1 row, written atomically).
+safetensors rather than orbax-checkpoint: a prompt cache is one small flat dict of host arrays
+plus string metadata read back whole on one host; orbax is built for sharded, asynchronous
+pytree checkpoints (a directory per checkpoint, restore by sharding), which here would only add
+a directory, a dependency on the pytree's exact structure and no checksums. safetensors is
+already the project's tensor format, is zero-copy and executes nothing on load (no pickle).
+The file holds only the n live positions: per-slot arrays cut to [1, KV, n, ...], sink slots
+to the first min(n_sink, n), the ring to its entries at positions < n (in position order), and
+the token ids. Its metadata: format name and version, the `CacheMeta` (model, tokenizer,
+calibration and per-layer-constant sha256s, cache spec and per-layer types, shapes), the token
+count, and a sha256 over that metadata and every tensor (name, dtype, shape, bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from tqjax.atomic import write_safetensors
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import KVCache, LayerCache, RecentWindow
+from tqjax.kv.cache import (
+    CacheSpec,
+    Calibration,
+    KVCache,
+    LayerCache,
+    RecentWindow,
+    check_spec,
+    layer_types,
+    make_cache,
+)
+from tqjax.models.config import ModelConfig
+from tqjax.models.tokenizer import Tokenizer
+from tqjax.models.transformer import Params
 
 
 def _name(path: tuple) -> str:
@@ -143,3 +177,286 @@ def put_row(cache: KVCache, row: int, one: KVCache) -> KVCache:
     _check_row(cache, row)
     check_compatible(cache, one)
     return _put_row(cache, jnp.int32(row), one)
+
+
+# ---------------------------------------------------------------- saved prompt caches
+
+FORMAT = "tqjax-prompt-cache"
+VERSION = 1
+_MODEL_HASHES: dict[int, tuple[weakref.ref, str]] = {}  # id(params) -> (params, sha256)
+
+
+def _sha256_arrays(h: hashlib._Hash, named: list[tuple[str, np.ndarray]]) -> None:
+    for name, x in named:
+        x = np.ascontiguousarray(x)
+        h.update(f"{name}|{x.dtype.str}|{x.shape}|".encode())
+        h.update(x.reshape(-1).view(np.uint8))
+
+
+def model_sha256(config: ModelConfig, params: Params) -> str:
+    """sha256 of the config and every parameter (structure, dtypes, shapes, bytes); memoized
+    per params object (hashing runs at a few hundred MB/s)."""
+    key = id(params)
+    hit = _MODEL_HASHES.get(key)
+    if hit is not None and hit[0]() is params:
+        return hit[1]
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True,
+                                  default=str).encode())
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    h.update(str(jax.tree_util.tree_structure(params)).encode())
+    _sha256_arrays(h, [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in leaves])
+    digest = h.hexdigest()
+    try:
+        _MODEL_HASHES[key] = (weakref.ref(params), digest)
+    except TypeError:  # not weak-referenceable: no memo
+        pass
+    return digest
+
+
+def tokenizer_sha256(tokenizer: Tokenizer | None) -> str:
+    """sha256 of a tokenizer's serialized model, special ids and chat template ('' for none)."""
+    if tokenizer is None:
+        return ""
+    backend = tokenizer.backend
+    blob = (backend.serialized_model_proto() if tokenizer.is_sentencepiece
+            else backend.to_str().encode())
+    extra = json.dumps([tokenizer.bos_id, list(tokenizer.eos_ids), tokenizer.add_bos,
+                        tokenizer.chat_template], default=str).encode()
+    return hashlib.sha256(blob + b"\0" + extra).hexdigest()
+
+
+def _calibration_sha256(calibration: Calibration | None) -> str:
+    if calibration is None:
+        return ""
+    h = hashlib.sha256()
+    _sha256_arrays(h, [(f.name, np.asarray(getattr(calibration, f.name), np.float32))
+                       for f in dataclasses.fields(calibration)])
+    return h.hexdigest()
+
+
+def _constants_sha256(cache: KVCache) -> str:
+    """sha256 of every per-layer constant of a cache (rotations, codebooks, centres, channel
+    scales, QJL matrices, rope frequencies) and of its layout (store types, static fields)."""
+    h = hashlib.sha256()
+    for i, layer in enumerate(cache.layers):
+        for part in ("k", "v"):
+            store = getattr(layer, part)
+            layout = _static(store)
+            h.update(f"{i}.{part}|{layout[0]}|{layout[1]}".encode())
+            _sha256_arrays(h, [(jax.tree_util.keystr(p), np.asarray(x))
+                               for p, x in jax.tree_util.tree_leaves_with_path(store)
+                               if _kind(p, x) == "const"])
+        h.update(b"ring" if layer.recent is not None else b"-")
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheMeta:
+    """What a saved prompt cache must match to be restored into a model's cache: model,
+    tokenizer, cache spec (per-layer K/V types, rotation seed, sink/recent sizes, centring),
+    calibration constants and the per-layer constants they produce. `calibration` and
+    `inv_freq` [hd/2] are carried to build the target cache and not compared themselves."""
+
+    model_sha256: str
+    tokenizer_sha256: str
+    spec: CacheSpec
+    layer_types: tuple[tuple[str, str], ...]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    calibration_sha256: str
+    constants_sha256: str
+    calibration: Calibration | None = dataclasses.field(default=None, compare=False, repr=False)
+    inv_freq: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def record(self) -> dict:
+        """The compared fields as JSON-ready values (what a file stores)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
+        out["spec"] = dataclasses.asdict(self.spec)
+        out["layer_types"] = [list(t) for t in self.layer_types]
+        return out
+
+    def empty_cache(self, slots: int, batch: int = 1) -> KVCache:
+        """An empty cache of this format: `batch` rows of `slots` slots."""
+        return make_cache(self.spec, batch=batch, slots=slots, num_layers=self.num_layers,
+                          kv_heads=self.kv_heads, head_dim=self.head_dim,
+                          calibration=self.calibration, inv_freq=self.inv_freq)
+
+
+def cache_meta(config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
+               spec: CacheSpec, calibration: Calibration | None) -> CacheMeta:
+    """The `CacheMeta` of a model's caches in format `spec` (hashes every parameter once per
+    params object)."""
+    check_spec(spec)
+    inv_freq = np.asarray(params.rope_inv_freq, np.float32)
+    probe = make_cache(spec, batch=1, slots=1, num_layers=config.num_layers,
+                       kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                       calibration=calibration, inv_freq=inv_freq)
+    return CacheMeta(
+        model_sha256=model_sha256(config, params), tokenizer_sha256=tokenizer_sha256(tokenizer),
+        spec=spec, layer_types=tuple(layer_types(spec, config.num_layers)),
+        num_layers=config.num_layers, kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        vocab_size=config.vocab_size, calibration_sha256=_calibration_sha256(calibration),
+        constants_sha256=_constants_sha256(probe), calibration=calibration, inv_freq=inv_freq)
+
+
+def _live_ring(ring: RecentWindow, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch-1 ring's entries at positions 0..n-1, in position order: k/v [1, KV, m, hd],
+    pos [m] int32 (later positions are stale: never read again)."""
+    pos = np.asarray(ring.pos[0])
+    slots = np.nonzero((pos >= 0) & (pos < n))[0]
+    slots = slots[np.argsort(pos[slots], kind="stable")]
+    return (np.asarray(ring.k)[:, :, slots], np.asarray(ring.v)[:, :, slots],
+            pos[slots].astype(np.int32))
+
+
+def _cache_tensors(cache: KVCache, n: int) -> dict[str, np.ndarray]:
+    """The live part of a batch-1 cache as named host arrays (see the module docstring)."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        for part in ("k", "v"):
+            for p, x in jax.tree_util.tree_leaves_with_path(getattr(layer, part)):
+                kind = _kind(p, x)
+                if kind != "const":
+                    out[f"layers.{i}.{part}{jax.tree_util.keystr(p)}"] = np.asarray(x[:, :, :n])
+        if layer.recent is not None:
+            k, v, pos = _live_ring(layer.recent, n)
+            out |= {f"layers.{i}.recent.k": k, f"layers.{i}.recent.v": v,
+                    f"layers.{i}.recent.pos": pos}
+    return out
+
+
+def _checksum(header: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    _sha256_arrays(h, sorted(tensors.items()))
+    return h.hexdigest()
+
+
+def save_prompt_cache(path: str | Path, cache: KVCache, tokens: Sequence[int],
+                      meta: CacheMeta) -> None:
+    """Save a batch-1 cache holding len(tokens) live positions (tokens[i] at slot i), written
+    atomically. The cache must be in `meta`'s format (its per-layer constants are checked)."""
+    ids = np.asarray(list(tokens), np.int64)
+    n = len(ids)
+    if n == 0:
+        raise TqjaxError("a prompt cache needs at least one token")
+    if ids.min() < 0 or ids.max() >= meta.vocab_size:
+        raise TqjaxError(f"prompt cache token id out of range [0, {meta.vocab_size})")
+    if jax.tree_util.tree_leaves(cache.layers[0].k)[0].shape[0] != 1:
+        raise TqjaxError("save_prompt_cache takes a batch-1 cache (see take_row)")
+    if n > cache.slots:
+        raise TqjaxError(f"{n} tokens but the cache has only {cache.slots} slots")
+    if len(cache.layers) != meta.num_layers or _constants_sha256(cache) != meta.constants_sha256:
+        raise TqjaxError("the cache is not in the format its CacheMeta describes")
+    tensors = _cache_tensors(cache, n)
+    tensors["tokens"] = ids.astype(np.int32)
+    header = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n),
+              "meta": json.dumps(meta.record(), sort_keys=True)}
+    write_safetensors(path, tensors, {**header, "sha256": _checksum(header, tensors)})
+
+
+_FIELD_NAMES = {"model_sha256": "another model", "tokenizer_sha256": "another tokenizer",
+                "spec": "another cache type or cache options",
+                "layer_types": "other per-layer cache types",
+                "calibration_sha256": "other calibration constants",
+                "constants_sha256": "other per-layer cache constants (rotations, codebooks, "
+                                    "centres)"}
+
+
+def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """Header and tensors of a prompt-cache file; any unreadable file -> TqjaxError."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise TqjaxError(f"no such prompt cache file: {path}")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            header = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises several types for truncated / garbled files
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TqjaxError(f"prompt cache {path} is truncated or corrupt ({reason})") from None
+    return header, tensors
+
+
+def load_prompt_cache(path: str | Path, meta: CacheMeta, slots: int
+                      ) -> tuple[KVCache, list[int]]:
+    """Restore a saved prompt cache into a new batch-1 cache of `slots` slots (>= its token
+    count), the per-layer constants built from `meta` (the target model's). Returns the cache
+    and its token ids. Raises TqjaxError on another format version, a truncated or corrupt
+    file, a file from another model/tokenizer/cache type/calibration, or too few slots."""
+    path = Path(path)
+    header, tensors = _read(path)
+    if header.get("format") != FORMAT:
+        raise TqjaxError(f"{path} is not a tqjax prompt cache")
+    if header.get("version") != str(VERSION):
+        raise TqjaxError(f"prompt cache {path} has format version {header.get('version')}, "
+                         f"this tqjax reads version {VERSION}")
+    body = {k: v for k, v in header.items() if k != "sha256"}
+    if header.get("sha256") != _checksum(body, tensors):
+        raise TqjaxError(f"prompt cache {path} is corrupt (checksum mismatch)")
+    try:
+        record, n = json.loads(header["meta"]), int(header["n_tokens"])
+    except (KeyError, ValueError) as e:
+        raise TqjaxError(f"prompt cache {path} has unreadable metadata ({e})") from None
+    want = meta.record()
+    for name, what in _FIELD_NAMES.items():
+        if record.get(name) != want[name]:
+            raise TqjaxError(f"prompt cache {path} was made for {what}; it does not match "
+                             f"this model and cache")
+    if record != want:
+        raise TqjaxError(f"prompt cache {path} was made for another model shape")
+    if n > slots:
+        raise TqjaxError(f"prompt cache {path} holds {n} tokens, more than the {slots} slots")
+    cache = meta.empty_cache(slots)
+    try:
+        cache = _fill(cache, tensors, n)
+    except (KeyError, ValueError) as e:
+        raise TqjaxError(f"prompt cache {path} does not hold this cache's arrays ({e})"
+                         ) from None
+    ids = tensors["tokens"]
+    if ids.shape != (n,):
+        raise TqjaxError(f"prompt cache {path} is corrupt (token count)")
+    return cache, [int(t) for t in ids]
+
+
+def _fill(cache: KVCache, tensors: dict[str, np.ndarray], n: int) -> KVCache:
+    """An empty batch-1 cache with the saved live arrays written into its first slots."""
+    used = {"tokens"}
+
+    def put(prefix: str, store: object) -> object:
+        def one(path: tuple, x: jax.Array) -> jax.Array:
+            kind = _kind(path, x)
+            if kind == "const":
+                return x
+            name = prefix + jax.tree_util.keystr(path)
+            saved = tensors[name]
+            used.add(name)
+            if saved.shape[:2] != x.shape[:2] or saved.shape[3:] != x.shape[3:] or \
+                    saved.shape[2] > x.shape[2] or (kind == "slot" and saved.shape[2] != n) or \
+                    saved.dtype != np.dtype(x.dtype):
+                raise ValueError(f"{name}: {saved.dtype}{list(saved.shape)} for "
+                                 f"{x.dtype}{list(x.shape)}")
+            return x.at[:, :, :saved.shape[2]].set(saved)
+
+        return jax.tree_util.tree_map_with_path(one, store)
+
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        recent = layer.recent
+        if recent is not None:
+            k, v, pos = (tensors[f"layers.{i}.recent.{f}"] for f in ("k", "v", "pos"))
+            used |= {f"layers.{i}.recent.{f}" for f in ("k", "v", "pos")}
+            m, ring = pos.shape[0], recent.pos.shape[1]
+            if k.shape != (1, *recent.k.shape[1:2], m, recent.k.shape[3]) or v.shape != k.shape \
+                    or m > ring or (m and (pos.min() < 0 or pos.max() >= n)):
+                raise ValueError(f"layer {i} ring")
+            dest = pos % ring
+            recent = RecentWindow(recent.k.at[:, :, dest].set(k), recent.v.at[:, :, dest].set(v),
+                                  recent.pos.at[0, dest].set(pos))
+        layers.append(LayerCache(put(f"layers.{i}.k", layer.k), put(f"layers.{i}.v", layer.v),
+                                 recent))
+    if used != set(tensors):
+        raise ValueError(f"unexpected arrays {sorted(set(tensors) - used)[:3]}")
+    return KVCache(layers)
