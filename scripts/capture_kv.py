@@ -1,4 +1,4 @@
-"""Capture real key and value vectors from a model, for `scripts/distortion.py --vectors`.
+"""Capture real key and value vectors from a model, for `scripts/research/distortion.py --vectors`.
 
 Runs one window of a text through the model with a dense cache and saves a random sample of the
 cached per-head vectors (all layers; the first 4 positions skipped) as safetensors files

@@ -7,7 +7,7 @@ queries y the RMS and least-squares slope of the inner-product error (⟨y, x̂�
 for the MSE quantizer and TurboQuant_prod (b ≥ 2). Vectors are uniformly random unit vectors, or
 the rows of tensor `x` [N, d] of `--vectors FILE.safetensors` (e.g. real keys or values).
 
-    python scripts/distortion.py [--json] [--out FILE] [--vectors FILE.safetensors]
+    python scripts/research/distortion.py [--json] [--out FILE] [--vectors FILE.safetensors]
 """
 
 from __future__ import annotations
