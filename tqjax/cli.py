@@ -48,17 +48,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", nargs="?", const=DEFAULT_KV_PRESET, default=None, metavar="K[/V]",
                    help=f"compressed KV cache shorthand; alone: the default preset "
                         f"({DEFAULT_KV_PRESET})")
-    p.add_argument("--kv-naive", action="store_true",
-                   help="turn off TurboQuant's outlier handling (centring, key balancing, "
-                        "sink slots, exact recent window), for study")
-    p.add_argument("--kv-recent", type=int, default=None, metavar="N",
-                   help="turbo caches: each query sees its N most recent tokens exactly "
-                        "(a per-layer ring of N fp16 keys and values; default 32, 0 = off)")
-    p.add_argument("--kv-boundary-layers", type=int, default=0,
-                   help="keep the first and last N layers' cache in q8")
     p.add_argument("--backend", default="xla", choices=["xla", "pallas"],
                    help="hot-path implementation: plain XLA or Pallas kernels "
                         "(interpret mode on CPU)")
+    study = p.add_argument_group("research options (the KV cache's robustness steps; the "
+                                 "defaults are the recipe)")
+    study.add_argument("--kv-naive", action="store_true",
+                       help="turn off TurboQuant's outlier handling (centring, key balancing, "
+                            "sink slots, exact recent window), for study")
+    study.add_argument("--kv-recent", type=int, default=None, metavar="N",
+                       help="turbo caches: each query sees its N most recent tokens exactly "
+                            "(a per-layer ring of N fp16 keys and values; default 32, 0 = off)")
+    study.add_argument("--kv-boundary-layers", type=int, default=0,
+                       help="keep the first and last N layers' cache in q8")
 
 
 def cache_spec(args: argparse.Namespace) -> object:
