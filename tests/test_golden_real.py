@@ -17,6 +17,18 @@ from tqjax.fetch import corpus_text
 from .conftest import GOLDEN
 
 NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+# The agreement README.md's "Measured results" states, per model: (max |logit - HF| over the
+# golden top-k and sampled logits, |PPL / HF PPL - 1| on the golden Hamlet windows). Measured
+# 2026-12-02 at commit 3acd96d (`python -m pytest -s -q tests/test_golden_real.py -k
+# "logits or perplexity"` prints them):
+# SmolLM2 7.0e-5 and 8.1e-6 (README: 1.0e-4, +0.0008%); Qwen2.5-Coder-0.5B 3.8e-5 and 2.9e-5
+# (README: +0.003%). Bounds are those figures rounded up to the next README-sized step.
+# A model without its own entry gets the loosest pair.
+TOLERANCE = {
+    "smollm2-135m-instruct": (1.0e-4, 2.0e-5),
+    "qwen2.5-coder-0.5b-instruct": (5.0e-5, 5.0e-5),
+}
+LOOSEST = tuple(max(t[i] for t in TOLERANCE.values()) for i in range(2))
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -28,13 +40,14 @@ def case(request):
 
 
 def test_logits_match_hf(case):
-    model, ref, _ = case
+    model, ref, meta = case
     got = tqjax.logits(model, ref["prompt_ids"].tolist())
     assert got.shape == (len(ref["prompt_ids"]), model.config.vocab_size)
     top = np.take_along_axis(got, ref["topk_ids"], axis=1)
     sampled = got[:, ref["sample_ids"]]
     err = max(np.abs(top - ref["topk_logits"]).max(), np.abs(sampled - ref["sample_logits"]).max())
-    assert err <= 1e-2, err
+    print(f"{meta['model']}: max |logit - HF| {err:.2e}")
+    assert err <= TOLERANCE.get(meta["model"], LOOSEST)[0], err
     assert (got.argmax(-1) == ref["topk_ids"][:, 0]).all()
 
 
@@ -66,4 +79,6 @@ def test_perplexity_matches_hf(case):
     assert ours == ref["ppl_ids"].tolist()
     res = perplexity(model, jnp.asarray(ref["ppl_ids"]), spec["ctx"])
     assert res.tokens == (spec["tokens"] // spec["ctx"]) * (spec["ctx"] - 1)
-    assert abs(res.ppl / spec["ppl"] - 1) < 0.005, (res.ppl, spec["ppl"])
+    print(f"{meta['model']}: PPL {res.ppl:.6f} vs HF {spec['ppl']:.6f}")
+    assert abs(res.ppl / spec["ppl"] - 1) <= TOLERANCE.get(meta["model"], LOOSEST)[1], (
+        res.ppl, spec["ppl"])
