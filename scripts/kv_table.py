@@ -12,17 +12,23 @@ import json
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, run_main
+from tqjax.cli import ArgumentParser, check_writable, run_main
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import NAIVE
 
 DEFAULT_TYPES = ("bf16,q8,q4,turbo4,turbo3.5,turbo3,turbo2.5,turbo2,turbo4/turbo3,"
                  "turbo3.5/turbo3,turbo4-prod,turbo4:nowindow,turbo4:naive,turbo3:naive")
+# named --types lists; "baselines": llama.cpp-style caches with and without turbo's aids (issue 25)
+PRESETS = {
+    "default": DEFAULT_TYPES,
+    "baselines": "q8,q8_0,q4,q4:aids,q4_0,q4_0:aids,q4_0h,q4_0h:aids,turbo4,turbo3,turbo4:naive",
+}
 
 
 def parse_type(item: str) -> tuple[str, dict]:
     """"K[/V][:flag]" -> (label, CacheSpec kwargs). Flags: naive (every robustness step off),
-    nowindow (no exact recent window), window16/window64 (other window lengths)."""
+    nowindow (no exact recent window), window16/window64 (other window lengths), aids (q8/q4
+    baselines get turbo's centring, balancing, sinks and window)."""
     body, _, flag = item.partition(":")
     k, _, v = body.partition("/")
     if flag not in FLAGS:
@@ -36,6 +42,7 @@ FLAGS = {
     "nowindow": {"recent_tokens": 0},
     "window16": {"recent_tokens": 16},
     "window64": {"recent_tokens": 64},
+    "aids": {"baseline_aids": True},
 }
 
 
@@ -44,7 +51,8 @@ def main() -> int:
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     p.add_argument("--texts", default="shakespeare:hamlet,python-stdlib")
     p.add_argument("--types", default=DEFAULT_TYPES,
-                   help="comma list of K[/V][:flag], flag: naive, nowindow, window16, window64")
+                   help="comma list of K[/V][:flag], flag: naive, nowindow, window16, window64, "
+                        f"aids; or a preset name ({', '.join(PRESETS)})")
     p.add_argument("--ctx-size", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=Path("kv_table.jsonl"))
@@ -52,8 +60,9 @@ def main() -> int:
                    help="only print the markdown table of an existing JSONL file")
     args = p.parse_args()
     if args.report is not None:
-        print_markdown([json.loads(line) for line in args.report.read_text().splitlines()])
+        print_markdown(read_rows(args.report))
         return 0
+    check_writable(args.out)
 
     import dataclasses
 
@@ -63,12 +72,14 @@ def main() -> int:
     from tqjax.fetch import corpus_text
     from tqjax.kv.cache import check_spec
 
-    types = [parse_type(t) for t in args.types.split(",") if t]
+    types = [parse_type(t) for t in PRESETS.get(args.types, args.types).split(",") if t]
     for _, kw in types:
         check_spec(tqjax.CacheSpec(**kw))
     rows = []
     for name in args.models.split(","):
         model = tqjax.load(name)
+        if model.tokenizer is None:
+            raise TqjaxError(f"{model.source} has no tokenizer to encode the texts with")
         for text in args.texts.split(","):
             ids = model.tokenizer.encode(corpus_text(text), add_bos=False)[: args.max_tokens]
             runs = {"f32": (model, tqjax.CacheSpec())}
@@ -91,6 +102,24 @@ def main() -> int:
                     f.write(json.dumps(row) + "\n")
     print_markdown(rows)
     return 0
+
+
+ROW_KEYS = ("model", "text", "type", "ppl", "dppl_pct", "kl", "top1", "bits_per_value")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a kv_table JSONL file (each must carry `ROW_KEYS`); anything else is a
+    one-line TqjaxError."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip()]
+        for r in rows:
+            missing = [k for k in ROW_KEYS if k not in r]
+            if missing:
+                raise KeyError(", ".join(missing))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise TqjaxError(f"{path}: not a kv_table JSONL file ({e!r})") from None
+    return rows
 
 
 def print_markdown(rows: list[dict]) -> None:

@@ -1,13 +1,17 @@
 """The KV cache: one key store and one value store per layer, and attention over them.
 
 Cache formats (`--cache-type-k/-v`): dense `f32`/`bf16`/`f16`; baselines `q8` (int8 absmax per
-token and head) and `q4` (affine 4-bit, groups of 32); TurboQuant `turbo2`/`turbo3`/`turbo4`, the
-fractional `turbo2.5`/`turbo3.5` (half the rotated channels one bit higher) and
-`turbo2-prod`..`turbo4-prod` (TurboQuant_prod: one of the bits is a QJL residual sign). Every
-compressed format stores one fp16 scale per vector (prod: two). Turbo stores are robust by
-default: keys centred and channel-balanced, values centred (per-layer statistics from a
+token and head), `q8_0` (int8, one fp16 scale per 32 values, llama.cpp's Q8_0), `q4` (affine
+4-bit, groups of 32), `q4_0` (llama.cpp's symmetric Q4_0, blocks of 32) and `q4_0h` (Q4_0 of the
+Walsh–Hadamard-rotated head vector, as llama.cpp rotates quantized caches); TurboQuant
+`turbo2`/`turbo3`/`turbo4`, the fractional `turbo2.5`/`turbo3.5` (half the rotated channels one
+bit higher) and `turbo2-prod`..`turbo4-prod` (TurboQuant_prod: one of the bits is a QJL residual
+sign). Every turbo format stores one fp16 scale per vector (prod: two). Turbo stores are
+robust by default: keys centred and channel-balanced, values centred (per-layer statistics from a
 calibration pass), the first 4 positions kept dense (`tqjax.kv.quantized`), and every query
-sees its 32 most recent keys and values exactly (`RecentWindow`).
+sees its 32 most recent keys and values exactly (`RecentWindow`). With `baseline_aids` the q8/q4
+baselines get the same aids under the same switches (`tqjax.kv.quantized.AidedStore`), for
+comparisons at equal help.
 
 Attention on the XLA path (`blockwise_attention`) walks the live slots in blocks of `BLOCK`
 with an online softmax, so its cost and memory follow the longest live sequence, not the
@@ -26,7 +30,16 @@ from flax import struct
 
 from tqjax.errors import TqjaxError
 from tqjax.kv import store as kvs
-from tqjax.kv.quantized import SCALE_DTYPE, Int4Store, Int8Store, TurboStore, pack_codes
+from tqjax.kv.quantized import (
+    SCALE_DTYPE,
+    AidedStore,
+    HadamardStore,
+    Int4Store,
+    Int8Store,
+    Q40Store,
+    TurboStore,
+    pack_codes,
+)
 from tqjax.pallas import turbo_attention
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.quant.turboquant import make_prod_quantizer, make_split_quantizer
@@ -51,6 +64,8 @@ class CacheSpec:
         positions (a ring buffer), and each query attends to its N most recent tokens
         exactly; a fixed cost of 2·N·KV·hd fp16 values per layer.
     boundary_layers: the first and last N layers keep `boundary_type` instead.
+    baseline_aids: the q8/q4 baseline stores get the aids above too (each under its switch);
+        off by default, so that `q8_0`/`q4_0` are the formats llama.cpp users know.
     """
 
     k: str = "f32"
@@ -63,11 +78,19 @@ class CacheSpec:
     sink_tokens: int = 4
     recent_tokens: int = 32
     seed: int = 0
+    baseline_aids: bool = False
+
+    def aided(self, name: str) -> bool:
+        """Whether a store of type `name` gets the aids (centring, balancing, sinks, window)."""
+        return name.startswith("turbo") or (self.baseline_aids and name in BASELINES)
 
     @property
     def needs_calibration(self) -> bool:
-        return (((self.center_keys or self.balance_keys) and self.k.startswith("turbo"))
-                or (self.center_values and self.v.startswith("turbo")))
+        types = {(self.k, self.v)}
+        if self.boundary_layers:
+            types.add((self.boundary_type, self.boundary_type))
+        return any(((self.center_keys or self.balance_keys) and self.aided(k))
+                   or (self.center_values and self.aided(v)) for k, v in types)
 
 
 # CacheSpec options that switch every robustness step off (`--kv-naive`, for study)
@@ -110,15 +133,42 @@ def _dense_factory(dtype: jnp.dtype) -> StoreFactory:
     return make
 
 
-def _int8_factory(s: StoreShape) -> Int8Store:
+def _blocks(s: StoreShape, name: str, group: int = 32) -> int:
+    """Blocks of `group` channels per head vector (a one-line error if they do not tile it)."""
+    if s.head_dim % group:
+        raise TqjaxError(f"{name} cache needs a head dim divisible by {group}, got {s.head_dim}")
+    return s.head_dim // group
+
+
+def _int8_factory(group: int | None) -> StoreFactory:
+    """Symmetric int8, one scale per `group` channels (None: per head vector, q8)."""
+    def make(s: StoreShape) -> Int8Store:
+        g = group or s.head_dim
+        lead = (s.batch, s.kv_heads, s.slots)
+        return Int8Store(jnp.zeros((*lead, s.head_dim), jnp.int8),
+                         jnp.zeros((*lead, _blocks(s, "q8_0", g)), SCALE_DTYPE), g)
+
+    return make
+
+
+def _q40_factory(s: StoreShape) -> Q40Store:
     lead = (s.batch, s.kv_heads, s.slots)
-    return Int8Store(jnp.zeros((*lead, s.head_dim), jnp.int8), jnp.zeros(lead, SCALE_DTYPE))
+    return Q40Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8),
+                    jnp.zeros((*lead, _blocks(s, "q4_0")), SCALE_DTYPE))
+
+
+def _hadamard_factory(inner: StoreFactory) -> StoreFactory:
+    def make(s: StoreShape) -> HadamardStore:
+        if s.head_dim & (s.head_dim - 1):
+            raise TqjaxError(f"a Hadamard-rotated cache needs a power-of-two head dim, got "
+                             f"{s.head_dim}")
+        return HadamardStore(inner(s))
+
+    return make
 
 
 def _int4_factory(s: StoreShape) -> Int4Store:
-    if s.head_dim % 32:
-        raise TqjaxError(f"q4 cache needs a head dim divisible by 32, got {s.head_dim}")
-    lead, groups = (s.batch, s.kv_heads, s.slots), s.head_dim // 32
+    lead, groups = (s.batch, s.kv_heads, s.slots), _blocks(s, "q4")
     scales = (*lead, groups)  # step and lo: two buffers, the decode step donates each
     return Int4Store(jnp.zeros((*lead, s.head_dim // 2), jnp.uint8),
                      jnp.zeros(scales, SCALE_DTYPE), jnp.zeros(scales, SCALE_DTYPE))
@@ -128,6 +178,15 @@ def _own_copy(x: np.ndarray | None) -> jax.Array | None:
     """f32 device copy of a host constant. Always a copy: jnp.asarray may alias numpy memory,
     and the decode step donates every cache buffer, so none may be shared (across layers)."""
     return None if x is None else jnp.array(x, jnp.float32, copy=True)
+
+
+def _aid_fields(s: StoreShape) -> dict[str, jax.Array | None]:
+    """The aids' per-layer arrays (turbo and aided baselines alike): centre, rope frequencies,
+    channel scales, and fp16 sink slots [B, KV, n_sink, hd] (None where off)."""
+    return dict(center=_own_copy(s.center), inv_freq=_own_copy(s.inv_freq),
+                chan_scale=_own_copy(s.chan_scale),
+                sink=jnp.zeros((s.batch, s.kv_heads, s.sink_tokens, s.head_dim), SCALE_DTYPE)
+                if s.sink_tokens else None)
 
 
 def _turbo_factory(bits: int, half: bool, prod: bool = False) -> StoreFactory:
@@ -143,23 +202,31 @@ def _turbo_factory(bits: int, half: bool, prod: bool = False) -> StoreFactory:
             q = make_split_quantizer(s.head_dim, bits, s.head_dim // 2 if half else 0, seed=seed)
             extra = {}
         nbytes = pack_codes(q, jnp.zeros((1, s.head_dim), jnp.uint8)).shape[-1]
-        return TurboStore(
-            jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE), q,
-            center=_own_copy(s.center), inv_freq=_own_copy(s.inv_freq),
-            chan_scale=_own_copy(s.chan_scale),
-            sink=jnp.zeros((*lead[:2], s.sink_tokens, s.head_dim), SCALE_DTYPE)
-            if s.sink_tokens else None, **extra)
+        return TurboStore(jnp.zeros((*lead, nbytes), jnp.uint8), jnp.zeros(lead, SCALE_DTYPE),
+                          q, **_aid_fields(s), **extra)
 
     return make
 
 
 STORE_FACTORIES: dict[str, StoreFactory] = {
     **{name: _dense_factory(dtype) for name, dtype in DENSE_DTYPES.items()},
-    "q8": _int8_factory,
+    "q8": _int8_factory(None),
+    "q8_0": _int8_factory(32),
     "q4": _int4_factory,
+    "q4_0": _q40_factory,
+    "q4_0h": _hadamard_factory(_q40_factory),
     **{f"turbo{b}{h}": _turbo_factory(b, bool(h)) for b in (2, 3, 4) for h in ("", ".5")},
     **{f"turbo{b}-prod": _turbo_factory(b, False, prod=True) for b in (2, 3, 4)},
 }
+
+
+BASELINES = ("q8", "q8_0", "q4", "q4_0", "q4_0h")  # the stores `baseline_aids` applies to
+
+
+def _with_aids(store: object, s: StoreShape) -> object:
+    """A baseline store wrapped with the aids `s` asks for (itself when none)."""
+    fields = _aid_fields(s)
+    return store if all(v is None for v in fields.values()) else AidedStore(store, **fields)
 
 
 @struct.dataclass
@@ -221,38 +288,50 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
         raise TqjaxError("centred turbo keys/values need a calibration pass")
     layers = []
     for i, (kt, vt) in enumerate(layer_types(spec, num_layers)):
-        base = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed,
-                          min(spec.sink_tokens, slots))
-        kshape, vshape = base, base
-        if kt.startswith("turbo"):
-            kshape = dataclasses.replace(
-                base, center=calibration.key_mean[i] if spec.center_keys else None,
-                inv_freq=inv_freq if spec.center_keys else None,
-                chan_scale=calibration.key_scale[i] if spec.balance_keys else None)
-        if spec.center_values and vt.startswith("turbo"):
-            vshape = dataclasses.replace(base, center=calibration.value_mean[i])
+        plain = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed)
+        stores = []
+        for name, keys in ((kt, True), (vt, False)):
+            if not spec.aided(name):
+                stores.append(STORE_FACTORIES[name](plain))
+                continue
+            shape = dataclasses.replace(plain, sink_tokens=min(spec.sink_tokens, slots))
+            if keys:
+                shape = dataclasses.replace(
+                    shape, center=calibration.key_mean[i] if spec.center_keys else None,
+                    inv_freq=inv_freq if spec.center_keys else None,
+                    chan_scale=calibration.key_scale[i] if spec.balance_keys else None)
+            elif spec.center_values:
+                shape = dataclasses.replace(shape, center=calibration.value_mean[i])
+            stores.append(STORE_FACTORIES[name](shape) if name.startswith("turbo")
+                          else _with_aids(STORE_FACTORIES[name](plain), shape))
         recent = None
         n = min(spec.recent_tokens, slots)
-        if n and (kt.startswith("turbo") or vt.startswith("turbo")):
+        if n and (spec.aided(kt) or spec.aided(vt)):
             ring = (batch, kv_heads, n, head_dim)  # two buffers: the decode step donates each
             recent = RecentWindow(jnp.zeros(ring, SCALE_DTYPE), jnp.zeros(ring, SCALE_DTYPE),
                                   jnp.full((batch, n), -1, jnp.int32))
-        layers.append(LayerCache(STORE_FACTORIES[kt](kshape), STORE_FACTORIES[vt](vshape),
-                                 recent))
+        layers.append(LayerCache(*stores, recent))
     return KVCache(layers)
 
 
 def bytes_per_token(cache: KVCache) -> float:
     """Stored bytes per token slot, all layers, K+V: every per-slot array ([B, KV, S, ...]);
     per-layer constants (sink slots, centres, rotations, codebooks) are not included."""
+    return sum(_slot_bytes(st) for layer in cache.layers for st in (layer.k, layer.v)
+               ) / cache.slots
+
+
+def _slot_bytes(store: object) -> int:
+    """Bytes of a store's per-slot arrays ([B, KV, S, ...], not the sink slots), wrapped
+    stores included."""
     total = 0
-    for layer in cache.layers:
-        for st in (layer.k, layer.v):
-            for field in dataclasses.fields(st):
-                leaf = getattr(st, field.name)
-                if field.name != "sink" and isinstance(leaf, jax.Array) and leaf.ndim >= 3:
-                    total += leaf.nbytes
-    return total / cache.slots
+    for field in dataclasses.fields(store):
+        leaf = getattr(store, field.name)
+        if dataclasses.is_dataclass(leaf):  # a wrapper's inner store
+            total += _slot_bytes(leaf)
+        elif field.name != "sink" and isinstance(leaf, jax.Array) and leaf.ndim >= 3:
+            total += leaf.nbytes
+    return total
 
 
 def constant_bytes(cache: KVCache) -> int:
