@@ -24,8 +24,8 @@ from tqjax.cli import ArgumentParser, print_json, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH = ROOT / "results" / "current" / "bench"
-DEFAULT_WEIGHTS = (ROOT / "results" / "weights_smollm2.json",
-                   ROOT / "results" / "weights_qwen.json")
+DEFAULT_WEIGHTS = (ROOT / "results" / "current" / "weights" / "weights_smollm2.json",
+                   ROOT / "results" / "current" / "weights" / "weights_qwen.json")
 PEER_NAMES = {"hf": "HF transformers", "llamacpp": "llama.cpp"}
 MIB = 1 << 20
 
