@@ -39,7 +39,28 @@ def tiny_errors(path: Path) -> dict[str, float]:
             "decode": float(np.abs(np.concatenate(steps, 1) - want).max())}
 
 
-def real_report(name: str) -> dict:
+REAL_MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
+
+
+def check_golden(golden: Path, real: bool) -> None:
+    """The reference files the report reads are all there (else a one-line TqjaxError)."""
+    from tqjax.errors import TqjaxError
+
+    if not (golden / "tiny").is_dir():
+        raise TqjaxError(f"no golden reference data in {golden} (missing {golden / 'tiny'}; "
+                         f"regenerate it with scripts/make_golden.py)")
+    needed = [d / "reference.safetensors" for d in sorted((golden / "tiny").iterdir())
+              if d.is_dir()]
+    if real:
+        needed += [golden / "real" / f"{n}{ext}" for n in REAL_MODELS
+                   for ext in (".json", ".safetensors")]
+    missing = [f for f in needed if not f.is_file()]
+    if missing:
+        raise TqjaxError(f"missing golden reference file {missing[0]} "
+                         f"(regenerate it with scripts/make_golden.py)")
+
+
+def real_report(name: str, golden: Path = GOLDEN) -> dict:
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -48,8 +69,8 @@ def real_report(name: str) -> dict:
     from tqjax.decode.sampling import SamplingParams
     from tqjax.eval import perplexity
 
-    ref = load_file(GOLDEN / "real" / f"{name}.safetensors")
-    meta = json.loads((GOLDEN / "real" / f"{name}.json").read_text())
+    ref = load_file(golden / "real" / f"{name}.safetensors")
+    meta = json.loads((golden / "real" / f"{name}.json").read_text())
     model = tqjax.load(name)
     got = tqjax.logits(model, ref["prompt_ids"].tolist())
     err = max(np.abs(np.take_along_axis(got, ref["topk_ids"], 1) - ref["topk_logits"]).max(),
@@ -70,12 +91,14 @@ def real_report(name: str) -> dict:
 def main() -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--golden", type=Path, default=GOLDEN,
+                   help="reference data folder (default: the repository's golden/)")
     args = p.parse_args()
-    out = {"tiny": {d.name: tiny_errors(d) for d in sorted((GOLDEN / "tiny").iterdir())
+    check_golden(args.golden, not args.skip_real)
+    out = {"tiny": {d.name: tiny_errors(d) for d in sorted((args.golden / "tiny").iterdir())
                     if d.is_dir()}}
     if not args.skip_real:
-        out["real"] = {n: real_report(n) for n in ("smollm2-135m-instruct",
-                                                   "qwen2.5-coder-0.5b-instruct")}
+        out["real"] = {n: real_report(n, args.golden) for n in REAL_MODELS}
     print_json(out)
     return 0
 

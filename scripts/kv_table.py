@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, run_main
+from tqjax.cli import ArgumentParser, check_writable, run_main
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import NAIVE
 
@@ -60,8 +60,9 @@ def main() -> int:
                    help="only print the markdown table of an existing JSONL file")
     args = p.parse_args()
     if args.report is not None:
-        print_markdown([json.loads(line) for line in args.report.read_text().splitlines()])
+        print_markdown(read_rows(args.report))
         return 0
+    check_writable(args.out)
 
     import dataclasses
 
@@ -77,6 +78,8 @@ def main() -> int:
     rows = []
     for name in args.models.split(","):
         model = tqjax.load(name)
+        if model.tokenizer is None:
+            raise TqjaxError(f"{model.source} has no tokenizer to encode the texts with")
         for text in args.texts.split(","):
             ids = model.tokenizer.encode(corpus_text(text), add_bos=False)[: args.max_tokens]
             runs = {"f32": (model, tqjax.CacheSpec())}
@@ -99,6 +102,24 @@ def main() -> int:
                     f.write(json.dumps(row) + "\n")
     print_markdown(rows)
     return 0
+
+
+ROW_KEYS = ("model", "text", "type", "ppl", "dppl_pct", "kl", "top1", "bits_per_value")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a kv_table JSONL file (each must carry `ROW_KEYS`); anything else is a
+    one-line TqjaxError."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip()]
+        for r in rows:
+            missing = [k for k in ROW_KEYS if k not in r]
+            if missing:
+                raise KeyError(", ".join(missing))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise TqjaxError(f"{path}: not a kv_table JSONL file ({e!r})") from None
+    return rows
 
 
 def print_markdown(rows: list[dict]) -> None:

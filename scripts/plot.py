@@ -20,7 +20,7 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, print_json, run_main
+from tqjax.cli import ArgumentParser, check_writable, print_json, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH = ROOT / "results" / "current" / "bench"
@@ -240,8 +240,8 @@ def main() -> int:
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise TqjaxError(f"no such weights JSON: {missing[0]}")
+    out = check_writable(Path(args.out), folder=True)
     runs = load_bench(bench)
-    out = Path(args.out)
     made = [context_figure(runs, "decode", out / "bench_decode_vs_context.png", args.note),
             context_figure(runs, "rss", out / "bench_rss_vs_context.png", args.note),
             weights_figure(runs, out / "bench_weights.png", args.note),

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, run_main
+from tqjax.cli import ArgumentParser, check_writable, run_main
 
 # run name -> (method, bpw, calibrated, quantized embeddings)
 RUNS = {
@@ -160,6 +160,8 @@ def main() -> int:
     if args.report is not None:
         print(markdown(report_rows(args.report)))
         return 0
+    check_writable(args.out)
+    check_writable(args.out.with_suffix(".md"))
 
     import dataclasses
 

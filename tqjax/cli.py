@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from tqjax.errors import TqjaxError
 
@@ -108,18 +109,79 @@ def release_large_buffers(threshold: int = 1 << 20) -> bool:
         return False
 
 
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status code for a failed allocation
+MEMORY_HINT = ("try a smaller --ctx-size or batch, a compressed cache (--kv) or quantized "
+               "weights (--weights)")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """The first non-empty line of `text`, at most `limit` characters."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def user_error_text(e: BaseException) -> str | None:
+    """The one-line message for an error the user can act on, or None for a bug (a traceback
+    is then the right report). Covers TqjaxError, running out of memory (host MemoryError or
+    XLA RESOURCE_EXHAUSTED), OS errors on files (missing, unwritable, disk full) and a model
+    without a tokenizer used where one is needed."""
+    import dataclasses
+
+    from tqjax.models.tokenizer import Tokenizer
+
+    tokenizer_names = {*dir(Tokenizer), *(f.name for f in dataclasses.fields(Tokenizer))}
+    if isinstance(e, TqjaxError):
+        return _one_line(str(e))
+    if isinstance(e, MemoryError):
+        return f"out of memory (host allocation failed); {MEMORY_HINT}"
+    if isinstance(e, RuntimeError) and OUT_OF_MEMORY in str(e):
+        return f"out of memory ({_one_line(str(e), 160)}); {MEMORY_HINT}"
+    if isinstance(e, OSError) and e.strerror:
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        return f"{e.strerror}: {where}" if where else e.strerror
+    if (isinstance(e, AttributeError) and getattr(e, "obj", False) is None
+            and e.name in tokenizer_names):  # model.tokenizer is None
+        return ("the model has no tokenizer (no tokenizer.json or tokenizer.model next to its "
+                "weights, nor GGUF metadata) and this command needs one")
+    return None
+
+
+def check_writable(path: Path, what: str = "--out", folder: bool = False) -> Path:
+    """Fail early, before any work, when `path` cannot be written: a file's folder must exist
+    and take a new file (a folder output, `folder=True`, is created if missing). Returns
+    `path`; raises TqjaxError with one line otherwise."""
+    import tempfile
+
+    path = Path(path)
+    target = path if folder else path.parent
+    try:
+        if not folder and path.is_dir():
+            raise IsADirectoryError(21, "is a directory", str(path))
+        if folder:
+            target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target or "."):
+            pass
+    except OSError as e:
+        raise TqjaxError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    return path
+
+
 def run_main(main: Callable[[], int | None]) -> None:
-    """Run a CLI entry point: user errors print one line to stderr and exit 2."""
+    """Run a CLI entry point: user errors (see `user_error_text`) print one line to stderr
+    and exit 2."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     release_large_buffers()
     enable_compilation_cache()
     try:
         code = main()
-    except TqjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    except Exception as e:
+        message = user_error_text(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
     raise SystemExit(code or 0)
 
 
