@@ -565,6 +565,8 @@ def test_checkpoint_round_trip(tiny, saved):
     path, q, meta = saved
     loaded = tqjax.load(path)
     assert loaded.config == tiny.config
+    hf = json.loads((GOLDEN / "tiny" / "qwen2_gqa7" / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen2ForCausalLM"] and meta["architecture"] == "qwen2"
     np.testing.assert_array_equal(tqjax.logits(loaded, TOKENS),
                                   tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS))
     assert params_bits(loaded.params) == params_bits(q) == meta["memory"]
@@ -587,6 +589,13 @@ def _edit_json(path, fn):
     path.write_text(json.dumps(data))
 
 
+def _edit_config(d, **changes):
+    """Change config.json and re-sign it in quantization.json (so only the content is wrong)."""
+    _edit_json(d / "config.json", lambda c: c.update(changes))
+    _edit_json(d / "quantization.json", lambda m: m["files"]["config.json"].update(
+        size=(d / "config.json").stat().st_size, sha256=ckpt.file_digest(d / "config.json")[1]))
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda d: (d / "model.safetensors").write_bytes(
         (d / "model.safetensors").read_bytes()[:-100]), "truncated"),
@@ -606,6 +615,14 @@ def _edit_json(path, fn):
                           lambda m: m["tensors"].pop("layers.1.wo")), "missing tensor layers.1.wo"),
     (lambda d: _edit_json(d / "quantization.json", lambda m: m["files"].update(
         {"../x": {"size": 1, "sha256": "0"}})), "missing"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m.update(architecture="mistral")), "unknown architecture"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m.update(architecture="llama")), "says architecture"),
+    (lambda d: _edit_config(d, arch="mistral"), "unknown architecture 'mistral'"),
+    (lambda d: _edit_json(d / "quantization.json",
+                          lambda m: m["tensors"]["layers.0.wq"].update(kind="nf4")),
+     "unknown format kind 'nf4'"),
 ])
 def test_damaged_checkpoints_are_clear_errors(saved, tmp_path, damage, message):
     d = _copy(saved, tmp_path)

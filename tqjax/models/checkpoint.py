@@ -9,7 +9,8 @@ A directory holds:
 - `config.json`: the `ModelConfig` as `dataclasses.asdict` (rope scaling nested).
 - the tokenizer: `tokenizer.json` + `tokenizer_config.json` (chat template, bos/eos, add_bos),
   rebuilt from GGUF metadata or copied from an HF source directory.
-- `quantization.json`, written last: format name and version, the method, per-tensor
+- `quantization.json`, written last: format name and version, the model architecture (one of
+  `config.GGUF_ARCHITECTURES`, equal to config.json's `arch`), the method, per-tensor
   {kind, bits, group, in/out features, lut, rotation}, storage accounting, the source model's
   name/size/sha256, and the size and sha256 of every other file, all verified on load
   ("disk": bytes of those files, the weights file alone, and its bits per parameter).
@@ -36,7 +37,7 @@ import numpy as np
 from tqjax.atomic import replace_dir
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
-from tqjax.models.config import ModelConfig, RopeScaling
+from tqjax.models.config import GGUF_ARCHITECTURES, ModelConfig, RopeScaling
 from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LayerParams, Params
 from tqjax.quant.accounting import params_bits
@@ -236,7 +237,10 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
         kind, lut_name, rot_name = info["kind"], info["lut"], info.get("rotation")
     except (KeyError, TypeError, ValueError):
         raise TqjaxError(f"{QUANT_FILE}: bad entry for {name}") from None
-    if not (1 <= bits <= 8 and group > 0 and k > 0 and n > 0) or kind not in KINDS:
+    if kind not in KINDS:
+        raise TqjaxError(f"{QUANT_FILE}: unknown format kind {kind!r} for {name} "
+                         f"(this tqjax reads {', '.join(KINDS)})")
+    if not (1 <= bits <= 8 and group > 0 and k > 0 and n > 0):
         raise TqjaxError(f"{QUANT_FILE}: bad kind/bits/group/features for {name}")
     k_pad = -(-k // group) * group
     expect = {".packed": (k_pad * bits // 8, n), ".scale": (k_pad // group, n)}
@@ -355,6 +359,7 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "architecture": config.arch,
         "method": method,
         "source": None if source is None else source_info(source),
         "dense_dtype": dense_dtype,
@@ -402,6 +407,19 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
             raise TqjaxError(f"{f} does not match its sha256 in {QUANT_FILE} (tampered or corrupt)")
 
 
+def check_architecture(path: Path, meta: dict[str, Any], config: ModelConfig) -> None:
+    """The architecture quantization.json states is one this tqjax runs and the one config.json
+    describes (files written before the field existed are judged by config.json alone)."""
+    arch = meta.get("architecture", config.arch)
+    for value, where in ((arch, QUANT_FILE), (config.arch, CONFIG_FILE)):
+        if value not in GGUF_ARCHITECTURES:
+            raise TqjaxError(f"{path / where}: unknown architecture {value!r} (this tqjax runs "
+                             f"{', '.join(GGUF_ARCHITECTURES)})")
+    if arch != config.arch:
+        raise TqjaxError(f"{path}: {QUANT_FILE} says architecture {arch!r} but {CONFIG_FILE} "
+                         f"says {config.arch!r}")
+
+
 def load_quantized(path: Path, dtype: str = "float32"
                    ) -> tuple[ModelConfig, Params, dict[str, Any]]:
     """Load a quantized checkpoint directory -> (config, params, quantization.json dict).
@@ -422,6 +440,7 @@ def load_quantized(path: Path, dtype: str = "float32"
         raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
     verify_files(path, meta)
     config = config_from_dict(_read_json(path / CONFIG_FILE))
+    check_architecture(path, meta, config)
     st = SafetensorsFile(path / WEIGHTS_FILE)
     keep = {"rope_inv_freq"} | {n + s for n in meta["tensors"] for s in QUANTIZED_PARTS}
     jdtype = DENSE_DTYPES[dtype]
