@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tqjax
+from tqjax.api import Session
 from tqjax.decode import generate as gen
 from tqjax.decode import prompt_cache as pc
 from tqjax.errors import TqjaxError
@@ -172,3 +173,120 @@ def test_bad_prompt_cache_files_are_refused(model, tmp_path):
     refused(data, "holds 20 tokens, more than the 16 slots", slots=16)
     with pytest.raises(TqjaxError, match="no such"):
         pc.load_prompt_cache(tmp_path / "missing.tqkv", meta, 64)
+
+
+def test_session_reuses_the_common_prefix(model):
+    """The second prompt shares a long prefix with the first prompt + output: only the rest is
+    prefilled, and the greedy tokens equal a fresh generation's."""
+    rng = np.random.default_rng(4)
+    system = rng.integers(3, 256, 150).tolist()
+    q1, q2 = rng.integers(3, 256, 7).tolist(), rng.integers(3, 256, 9).tolist()
+    session = Session(model, ctx_size=256)
+    first = session.generate(system + q1, max_new_tokens=5)
+    assert first.cached_tokens == 0 and session.tokens == system + q1 + first.token_ids[:-1]
+    second = session.generate(system + q2, max_new_tokens=5)
+    assert second.cached_tokens == common(system + q1, system + q2)
+    assert second.token_ids == tqjax.generate(model, system + q2, max_new_tokens=5).token_ids
+    # the same prompt again: everything but its last token is reused
+    again = session.generate(system + q2, max_new_tokens=5)
+    assert again.cached_tokens == len(system + q2) - 1 and again.token_ids == second.token_ids
+    # a refused call leaves the session's cache usable
+    with pytest.raises(TqjaxError, match="out of range"):
+        session.generate(system + [model.config.vocab_size], max_new_tokens=2)
+    assert session.generate(system + q2, max_new_tokens=5).token_ids == second.token_ids
+
+
+def common(a, b):
+    return next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2], strict=False)) if x != y)
+
+
+def test_generate_with_a_prompt_cache_file(model, tmp_path):
+    spec = SPECS["turbo4/turbo3"]
+    rng = np.random.default_rng(5)
+    doc, q1, q2 = (rng.integers(3, 256, n).tolist() for n in (120, 6, 8))
+    path = tmp_path / "doc.tqkv"
+    plain = tqjax.generate(model, doc + q1, max_new_tokens=6, cache=spec)
+    made = tqjax.generate(model, doc + q1, max_new_tokens=6, cache=spec, prompt_cache=path)
+    assert path.is_file() and made.cached_tokens == 0 and made.token_ids == plain.token_ids
+    reused = tqjax.generate(model, doc + q1, max_new_tokens=6, cache=spec, prompt_cache=path)
+    assert reused.cached_tokens == len(doc + q1) - 1 and reused.token_ids == plain.token_ids
+    other = tqjax.generate(model, doc + q2, max_new_tokens=6, cache=spec, prompt_cache=path,
+                           prompt_cache_ro=True)
+    assert other.cached_tokens == common(doc + q1, doc + q2)
+    assert other.token_ids == tqjax.generate(model, doc + q2, max_new_tokens=6,
+                                             cache=spec).token_ids
+    assert pc.load_prompt_cache(path, meta_for(model, spec), 256)[1] == doc + q1  # read-only
+    with pytest.raises(TqjaxError, match="another cache type"):
+        tqjax.generate(model, doc, max_new_tokens=2, prompt_cache=path)
+
+
+def rope_np(x, pos, inv_freq):
+    """Half-split RoPE of x [..., n, hd] at positions pos [n] (numpy, float64)."""
+    ang = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h].astype(np.float64), x[..., h:].astype(np.float64)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def test_context_shift_moves_and_rerotates_the_kept_keys(model):
+    """keep 5, drop 10 of 30: slots 5..19 hold the old 15..29 with keys rotated back by 10
+    positions (against numpy: undo RoPE at the old position, apply it at the new one); layer 0
+    equals a fresh prefill of the kept tokens at their new positions."""
+    tokens = np.random.default_rng(6).integers(3, 256, 30).tolist()
+    cache = filled(model, CacheSpec(), [tokens], 64)
+    old = [(np.asarray(la.k.data[0]), np.asarray(la.v.data[0])) for la in cache.layers]
+    inv = np.asarray(model.params.rope_inv_freq)
+    shifted = gen.context_shift(cache, 0, 5, 10, model.params.rope_inv_freq)
+    kept = tokens[:5] + tokens[15:]
+    fresh = filled(model, CacheSpec(), [kept], 64)
+    for i, (layer, (k, v)) in enumerate(zip(shifted.layers, old, strict=True)):
+        got_k, got_v = np.asarray(layer.k.data[0]), np.asarray(layer.v.data[0])
+        np.testing.assert_array_equal(got_k[:, :5], k[:, :5])
+        np.testing.assert_array_equal(got_v[:, :20], np.concatenate([v[:, :5], v[:, 15:30]], 1))
+        pre = rope_np(k[:, 15:30], -np.arange(15, 30), inv)  # undo RoPE at the old positions
+        np.testing.assert_allclose(got_k[:, 5:20], rope_np(pre, np.arange(5, 20), inv),
+                                   atol=1e-5, rtol=1e-5)
+        if i == 0:  # keys of layer 0 depend only on token and position
+            np.testing.assert_allclose(got_k[:, :20], np.asarray(fresh.layers[0].k.data[0, :, :20]),
+                                       atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(got_v[:, :20], np.asarray(fresh.layers[0].v.data[0, :, :20]),
+                                       atol=1e-6)
+    with pytest.raises(TqjaxError, match="dense keys"):
+        gen.context_shift(filled(model, SPECS["q8"], [tokens], 64), 0, 5, 10,
+                          model.params.rope_inv_freq)
+
+
+def test_generation_past_the_context(model):
+    """Without context shift a full context stops with 'length'; with it generation goes on
+    (keep 4, drop half the rest, twice here) and the cache holds exactly the kept tokens."""
+    prompt = np.random.default_rng(7).integers(3, 256, 20).tolist()
+    stopped = tqjax.generate(model, prompt, max_new_tokens=40, ctx_size=32)
+    assert stopped.finish_reason == "length"
+    assert stopped.prompt_tokens + len(stopped.token_ids) == 32
+    steps = gen.generate_tokens(model.params, model.config, [prompt], max_new_tokens=40,
+                                sampling=gen.SamplingParams(), eos_ids=(), ctx_size=32,
+                                context_shift_keep=4)
+    seen = []
+    while True:
+        try:
+            seqs, _, _ = next(steps)
+            seen.append((seqs[0].shifts, list(seqs[0].ids)))
+        except StopIteration as end:
+            state = end.value
+            break
+    ids = seen[-1][1]
+    assert len(ids) == 40 and seen[-1][0] >= 2 and len(state.tokens[0]) < 32
+    assert ids[:len(stopped.token_ids)] == stopped.token_ids
+    live, shifts = list(prompt), 0  # the bookkeeping, replayed: what the cache holds
+    for t in ids[:-1]:
+        if len(live) + 1 >= 32:
+            del live[4:4 + (len(live) - 4) // 2]
+            shifts += 1
+        live.append(t)
+    assert state.tokens[0] == live and seen[-1][0] == shifts
+    # the shifted cache's slots are the kept tokens: its keys at layer 0 match a fresh prefill
+    k0 = np.asarray(state.cache.layers[0].k.data[0, :, :len(live)])
+    fresh = filled(model, CacheSpec(), [live], 64)
+    np.testing.assert_allclose(k0, np.asarray(fresh.layers[0].k.data[0, :, :len(live)]),
+                               atol=1e-5, rtol=1e-5)

@@ -1,4 +1,5 @@
-"""Public API: `load`, `logits`, `generate` (names kept stable for research code and CI)."""
+"""Public API: `load`, `logits`, `generate`, `Session` (names kept stable for research code and
+CI)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
@@ -14,11 +16,19 @@ from tqjax import fetch
 from tqjax.data import calibration_text
 from tqjax.decode.calibrate import calibrate
 from tqjax.decode.generate import (
+    CacheState,
     GenerationResult,
     full_logits,
     generate_tokens,
     new_cache,
     padded_length,
+)
+from tqjax.decode.prompt_cache import (
+    CacheMeta,
+    cache_meta,
+    load_prompt_cache,
+    save_prompt_cache,
+    saved_length,
 )
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
@@ -41,6 +51,7 @@ class Model:
     source: str
     dtype: str
     _calibration: Calibration | None = dataclasses.field(default=None, repr=False)
+    _metas: dict[CacheSpec, CacheMeta] = dataclasses.field(default_factory=dict, repr=False)
 
     def calibration(self, spec: CacheSpec) -> Calibration | None:
         """KV means from the built-in calibration text when `spec` centres a turbo store
@@ -54,6 +65,14 @@ class Model:
             ids = self.tokenizer.encode(calibration_text(), add_bos=False)
             self._calibration = calibrate(self.params, self.config, ids)
         return self._calibration
+
+    def cache_meta(self, spec: CacheSpec) -> CacheMeta:
+        """What a saved prompt cache of this model in format `spec` must match (the first call
+        hashes every parameter: about a second per 500 MB)."""
+        if spec not in self._metas:
+            self._metas[spec] = cache_meta(self.config, self.params, self.tokenizer, spec,
+                                           self.calibration(spec))
+        return self._metas[spec]
 
 
 def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
@@ -194,32 +213,39 @@ class _TextStream:
         return out
 
 
-def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
-             stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
-             ctx_size: int | None = None, cache: CacheSpec = CacheSpec(),
-             on_text: Callable[[str], None] | None = None
-             ) -> GenerationResult | list[GenerationResult]:
-    """Generate a continuation; a list of strings is run as one batch (one result each).
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
-    Greedy when temperature is 0. `on_text` receives streamed text pieces (single prompt).
-    """
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    if model.tokenizer is None:
-        raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
-    batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
-    prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]
-    ctx = min(ctx_size or model.config.max_position, model.config.max_position)
+
+def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, max_new_tokens: int,
+         stop: Sequence[str], ctx: int, cache: CacheSpec, on_text: Callable[[str], None] | None,
+         start: tuple[object, list[int]] | None = None, context_shift: bool = False,
+         n_keep: int = 0, on_prefill: Callable[[object], None] | None = None
+         ) -> tuple[list[GenerationResult], CacheState]:
+    """Generate for tokenized prompts (streaming row 0 when `on_text`); `start` = (starting
+    cache, cached token counts). Returns the results and the final cache state."""
     streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
     stop_fn = (lambda b, ids: streams[b].final_text(ids)[1]) if stop else None
+    kv, cached = start if start is not None else (None, None)
+    steps = generate_tokens(
+        model.params, model.config, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+        eos_ids=model.tokenizer.eos_ids, ctx_size=ctx, cache_spec=cache,
+        calibration=model.calibration(cache), stop=stop_fn, cache=kv, cached=cached,
+        context_shift_keep=n_keep if context_shift else None, on_prefill=on_prefill)
     seqs, prefill_s, decode_s = [], 0.0, 0.0
-    for progress in generate_tokens(
-            model.params, model.config, prompts, max_new_tokens=max_new_tokens,
-            sampling=sampling, eos_ids=model.tokenizer.eos_ids, ctx_size=ctx,
-            cache_spec=cache, calibration=model.calibration(cache), stop=stop_fn):
-        seqs, prefill_s, decode_s = progress
-        if on_text is not None and not batched:
+    while True:
+        try:
+            seqs, prefill_s, decode_s = next(steps)
+        except StopIteration as end:
+            state = end.value
+            break
+        if on_text is not None:
             ids = [i for i in seqs[0].ids if i not in model.tokenizer.eos_ids]
             piece = streams[0].piece(ids, seqs[0].done is not None)
             if piece:
@@ -229,5 +255,122 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
         ids = [i for i in s.ids if i not in model.tokenizer.eos_ids]
         text, _ = st.final_text(ids)
         results.append(GenerationResult(text, s.ids, len(p), len(s.ids), s.done or "length",
-                                        prefill_s, decode_s))
-    return results if batched else results[0]
+                                        prefill_s, decode_s, s.cached, s.shifts))
+    return results, state
+
+
+def _context(model: Model, ctx_size: int | None) -> int:
+    return min(ctx_size or model.config.max_position, model.config.max_position)
+
+
+def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
+             stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
+             ctx_size: int | None = None, cache: CacheSpec = CacheSpec(),
+             on_text: Callable[[str], None] | None = None, context_shift: bool = False,
+             n_keep: int = 0, prompt_cache: str | Path | None = None,
+             prompt_cache_ro: bool = False) -> GenerationResult | list[GenerationResult]:
+    """Generate a continuation; a list of strings is run as one batch (one result each).
+
+    Greedy when temperature is 0. `on_text` receives streamed text pieces (single prompt).
+    `context_shift`: when a sequence fills the context (`ctx_size`), keep its first `n_keep`
+    tokens (-1: the whole prompt), drop half of the rest and go on, like llama.cpp (dense
+    key caches only); off: stop with finish reason "length".
+    `prompt_cache` (a file, llama.cpp's --prompt-cache): if it exists and its tokens share a
+    prefix with the prompt, that prefix is restored instead of prefilled
+    (`GenerationResult.cached_tokens`); then, unless `prompt_cache_ro`, the prompt's own
+    cache is saved there (atomically). A file from another model or cache format is a
+    TqjaxError. For repeated calls in one process, `Session` keeps the cache in memory.
+    """
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    if model.tokenizer is None:
+        raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
+    batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
+    prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]
+    if prompt_cache is None:
+        results, _ = _run(model, prompts, sampling, max_new_tokens=max_new_tokens, stop=stop,
+                          ctx=_context(model, ctx_size), cache=cache,
+                          on_text=None if batched else on_text,
+                          context_shift=context_shift, n_keep=n_keep)
+        return results if batched else results[0]
+    if batched:
+        raise TqjaxError("a prompt cache file goes with a single prompt")
+    ids, path, meta = prompts[0], Path(prompt_cache), model.cache_meta(cache)
+    start, saved = None, []
+    if path.exists():
+        kv, saved = load_prompt_cache(path, meta, saved_length(path))
+        reuse = min(common_prefix(saved, ids), len(ids) - 1)
+        start = (kv, [reuse]) if reuse > 0 else None
+
+    def save(kv: object) -> None:
+        save_prompt_cache(path, kv, ids, meta)
+
+    keep = prompt_cache_ro or saved == ids
+    results, _ = _run(model, prompts, sampling, max_new_tokens=max_new_tokens, stop=stop,
+                      ctx=_context(model, ctx_size), cache=cache, on_text=on_text, start=start,
+                      context_shift=context_shift, n_keep=n_keep,
+                      on_prefill=None if keep else save)
+    return results[0]
+
+
+class Session:
+    """A model with a KV cache kept between calls, for chats and repeated long prefixes.
+
+    Each `generate` reuses the longest common token prefix of the new prompt and the tokens
+    already in the cache (the previous prompt + output), and prefills only the rest, as
+    llama-cpp-python's `Llama` does between calls; `GenerationResult.cached_tokens` says how
+    many prompt tokens were reused. `save(path)` / `load(path)` write and read the cache as a
+    prompt-cache file (`tqjax.decode.prompt_cache`; llama-cpp-python's save_state/load_state).
+
+        s = tqjax.Session(model, cache=tqjax.CacheSpec("turbo4"))
+        a = s.generate(system_prompt + question_1)   # prefills everything
+        b = s.generate(system_prompt + question_2)   # prefills only question_2
+    """
+
+    def __init__(self, model: Model, cache: CacheSpec = CacheSpec(),
+                 ctx_size: int | None = None) -> None:
+        if model.tokenizer is None:
+            raise TqjaxError(f"{model.source} has no tokenizer; a session generates text")
+        self.model, self.spec, self.ctx = model, cache, _context(model, ctx_size)
+        self._kv: object | None = None
+        self.tokens: list[int] = []  # the token ids held by the cache, slot by slot
+
+    def reset(self) -> None:
+        """Forget the cache."""
+        self._kv, self.tokens = None, []
+
+    def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
+                 stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
+                 on_text: Callable[[str], None] | None = None, context_shift: bool = False,
+                 n_keep: int = 0) -> GenerationResult:
+        """`tqjax.generate` for one prompt, reusing the cached common prefix."""
+        sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        ids = encode_prompt(self.model, prompt, chat, system)
+        reuse = min(common_prefix(self.tokens, ids), max(len(ids) - 1, 0))
+        start = (self._kv, [reuse]) if reuse > 0 else None
+        kv, tokens = self._kv, self.tokens
+        self.reset()  # generation consumes the cache (the decode steps donate its buffers)
+        try:
+            results, state = _run(self.model, [ids], sampling, max_new_tokens=max_new_tokens,
+                                  stop=stop, ctx=self.ctx, cache=self.spec, on_text=on_text,
+                                  start=start, context_shift=context_shift, n_keep=n_keep)
+        except TqjaxError:
+            if kv is not None and not any(x.is_deleted() for x in jax.tree_util.tree_leaves(kv)):
+                self._kv, self.tokens = kv, tokens  # refused before it was used: still valid
+            raise
+        self._kv, self.tokens = state.cache, state.tokens[0]
+        return results[0]
+
+    def save(self, path: str | Path) -> None:
+        """Write the session's cache and tokens to a prompt-cache file (atomically)."""
+        if self._kv is None:
+            raise TqjaxError("the session has no cache to save yet")
+        save_prompt_cache(path, self._kv, self.tokens, self.model.cache_meta(self.spec))
+
+    def load(self, path: str | Path) -> None:
+        """Replace the session's cache with a saved prompt cache of this model and format."""
+        meta = self.model.cache_meta(self.spec)
+        self._kv, self.tokens = load_prompt_cache(path, meta, saved_length(path))

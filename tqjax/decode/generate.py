@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ import numpy as np
 from tqjax.decode.sampling import SamplingParams, sample
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, KVCache, make_cache
+from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, forward
 
@@ -51,11 +52,15 @@ def prefill_chunk(params: Params, config: ModelConfig, tokens: jax.Array, start:
 
 
 def prefill(params: Params, config: ModelConfig, tokens: np.ndarray, lengths: np.ndarray,
-            cache: KVCache) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, start: np.ndarray | None = None) -> tuple[jax.Array, KVCache]:
     """Right-padded prompts tokens int32 [B, T], lengths [B] -> each prompt's last-token
-    logits [B, V], in chunks of PREFILL_CHUNK tokens."""
+    logits [B, V], in chunks of PREFILL_CHUNK tokens. Row b's tokens go to slots start[b]..
+    (default 0: a cache whose first start[b] slots already hold the row's prefix); every
+    chunk, padding included, must fit the cache's slots (a TqjaxError otherwise)."""
     batch, total = tokens.shape
     chunk = min(total, PREFILL_CHUNK)
+    start = np.zeros(batch, np.int32) if start is None else np.asarray(start, np.int32)
+    check_fits(start, -(-total // chunk) * chunk, cache.slots)
     last = np.asarray(lengths) - 1
     logits = None
     for c0 in range(0, total, chunk):
@@ -64,11 +69,20 @@ def prefill(params: Params, config: ModelConfig, tokens: np.ndarray, lengths: np
             part = np.pad(part, ((0, 0), (0, chunk - part.shape[1])))
         out_index = np.clip(last - c0, 0, chunk - 1).astype(np.int32)
         chunk_logits, cache = prefill_chunk(params, config, jnp.asarray(part),
-                                            jnp.full(batch, c0, jnp.int32),
+                                            jnp.asarray(start + c0, jnp.int32),
                                             jnp.asarray(out_index), cache)
         here = jnp.asarray((last >= c0) & (last < c0 + chunk))[:, None]
         logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
     return logits, cache
+
+
+def check_fits(start: np.ndarray, count: int, slots: int) -> None:
+    """Raise TqjaxError unless writing `count` tokens at slots start[b].. stays inside `slots`
+    (XLA clamps an out-of-range update start, which would overwrite the last live slots)."""
+    end = int(np.max(np.asarray(start))) + count
+    if end > slots:
+        raise TqjaxError(f"writing {count} tokens from slot {int(np.max(start))} needs {end} "
+                         f"cache slots, the cache has {slots}")
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(4,))
@@ -103,6 +117,8 @@ class GenerationResult:
     finish_reason: str  # "eos", "stop", or "length"
     prefill_s: float
     decode_s: float
+    cached_tokens: int = 0  # prompt tokens reused from a prompt cache or session, not prefilled
+    context_shifts: int = 0  # times the context was shifted (context_shift=True)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -121,65 +137,167 @@ class _Sequence:
     prompt_len: int
     ids: list[int] = dataclasses.field(default_factory=list)
     done: str | None = None
+    cached: int = 0  # prompt tokens taken from a starting cache (not prefilled)
+    shifts: int = 0  # context shifts applied
+
+
+@dataclasses.dataclass
+class CacheState:
+    """A cache after generation and, per row, the token ids its live slots hold (slot i holds
+    tokens[b][i]): prompt + generated tokens fed so far, minus any context-shifted ones."""
+
+    cache: KVCache
+    tokens: list[list[int]]
+
+
+def context_shift(cache: KVCache, row: int, keep: int, discard: int,
+                  inv_freq: jax.Array) -> KVCache:
+    """llama.cpp's context shift on row `row`: slots keep..keep+discard-1 are dropped and the
+    later ones move down by `discard`, keys re-rotated to their new positions (RoPE is a
+    rotation: a rotation by −discard·θ). Dense key stores (f32/bf16/f16) only, and value stores
+    without sink slots or a recent-token ring (a compressed key would have to be decoded,
+    rotated and re-quantized): anything else is a TqjaxError."""
+    from tqjax.kv.store import DenseStore
+
+    for i, layer in enumerate(cache.layers):
+        sinks = any(jax.tree_util.keystr(p).endswith(".sink")
+                    for p, _ in jax.tree_util.tree_leaves_with_path(layer.v))
+        if type(layer.k) is not DenseStore or layer.recent is not None or sinks:
+            raise TqjaxError(f"context shift needs dense keys (f32/bf16/f16) and values without "
+                             f"turbo aids; layer {i} has {type(layer.k).__name__} keys and "
+                             f"{type(layer.v).__name__} values")
+    return _shift(cache, jnp.int32(row), jnp.int32(keep), jnp.int32(discard), inv_freq)
+
+
+@jax.jit
+def _shift(cache: KVCache, row: jax.Array, keep: jax.Array, discard: jax.Array,
+           inv_freq: jax.Array) -> KVCache:
+    slots = cache.slots
+    idx = jnp.arange(slots)
+    moved = idx >= keep
+    src = jnp.minimum(jnp.where(moved, idx + discard, idx), slots - 1)  # [S]
+    cos, sin = rope_cos_sin(-discard, inv_freq)  # [hd/2]
+
+    def gather(x: jax.Array, rotate: bool) -> jax.Array:
+        """Row `row` of x [B, KV, S, ...] with slot s taken from src[s] (keys re-rotated)."""
+        one = jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=1)
+        if rotate:
+            turned = apply_rope(one.astype(jnp.float32), cos, sin).astype(x.dtype)
+            one = jnp.where(moved[None, :, None], turned, one)
+        return jax.lax.dynamic_update_index_in_dim(x, one, row, 0)
+
+    def values(store: object) -> object:
+        return jax.tree_util.tree_map(lambda x: gather(x, False) if x.ndim >= 3 else x, store)
+
+    return KVCache([dataclasses.replace(layer, k=layer.k.replace(data=gather(layer.k.data, True)),
+                                        v=values(layer.v)) for layer in cache.layers])
+
+
+def _start_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, slots: int,
+                 calibration: Calibration | None, cache: KVCache | None) -> KVCache:
+    """The cache to generate in: `cache` itself when it has at least `slots` slots, else a new
+    one of `slots` slots with its rows copied into the first slots."""
+    if cache is not None and cache.slots >= slots:
+        return cache
+    out = new_cache(params, config, spec, batch, slots, calibration)
+    if cache is not None:
+        from tqjax.decode.prompt_cache import put_row, take_row
+
+        for b in range(batch):
+            out = put_row(out, b, take_row(cache, b) if batch > 1 else cache)
+    return out
 
 
 def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]], *,
                     max_new_tokens: int, sampling: SamplingParams, eos_ids: tuple[int, ...],
                     ctx_size: int, cache_spec: CacheSpec = CacheSpec(),
                     calibration: Calibration | None = None,
-                    stop: Callable[[int, list[int]], bool] | None = None
-                    ) -> Iterator[tuple[list[_Sequence], float, float]]:
+                    stop: Callable[[int, list[int]], bool] | None = None,
+                    cache: KVCache | None = None, cached: Sequence[int] | None = None,
+                    context_shift_keep: int | None = None,
+                    on_prefill: Callable[[KVCache], None] | None = None
+                    ) -> Generator[tuple[list[_Sequence], float, float], None, CacheState]:
     """Generate for a batch of tokenized prompts; yields (sequences, prefill_s, decode_s)
-    after the prefill and after every decode step, so callers can stream.
+    after the prefill and after every decode step, so callers can stream, and returns the
+    final `CacheState` (the generator's return value).
 
     `stop(b, ids)` may end sequence b early (stop strings). The cache holds
-    min(ctx_size, longest prompt + max_new_tokens) slots.
+    min(ctx_size, longest prompt + max_new_tokens) slots (rounded up), or more when given.
+    `cache` (batch rows, consumed) whose row b already holds prompts[b][:cached[b]] in its
+    first slots: only the rest of each prompt is prefilled (cached[b] < len(prompts[b]): the
+    last prompt token is always run, for its logits). `on_prefill(cache)` sees the cache
+    right after the prefill (before any decode step reuses its buffers), e.g. to save it.
+    `context_shift_keep` = n_keep turns on llama.cpp's context shift: a sequence that reaches
+    the context keeps its first n_keep tokens (-1: its whole prompt), drops half of the rest
+    and goes on (`context_shift`); None (default): it stops with finish reason "length".
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise TqjaxError("empty prompt")
     if max_new_tokens < 1:
         raise TqjaxError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    batch = len(prompts)
+    for p in prompts:
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            bad = next(t for t in p if not 0 <= t < config.vocab_size)
+            raise TqjaxError(f"token id {bad} out of range [0, {config.vocab_size})")
     longest = max(len(p) for p in prompts)
     if longest >= ctx_size:
         raise TqjaxError(f"prompt is {longest} tokens, longer than the context size {ctx_size}")
-    slots = min(ctx_size, padded_length(longest + max_new_tokens))
-    batch = len(prompts)
-    tokens = np.zeros((batch, padded_length(longest)), np.int32)
+    start = np.zeros(batch, np.int32) if cached is None else np.asarray(cached, np.int32)
+    if start.shape != (batch,) or (cache is None and start.any()):
+        raise TqjaxError("cached lengths need a starting cache, one per prompt")
+    if np.any(start < 0) or np.any(start >= [len(p) for p in prompts]):
+        raise TqjaxError("a starting cache must leave at least one prompt token to prefill")
+    limit = min(ctx_size, padded_length(longest + max_new_tokens))  # positions 0..limit-1
+    rest = [p[c:] for p, c in zip(prompts, start, strict=True)]
+    tokens = np.zeros((batch, padded_length(max(len(r) for r in rest))), np.int32)
     seen = np.zeros((batch, config.vocab_size), bool)
     for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = p
+        tokens[b, : len(rest[b])] = rest[b]
         seen[b, p] = True
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    lengths = np.asarray([len(r) for r in rest], np.int32)
     written = tokens.shape[1]  # prefill writes whole (padded) chunks
     if written > PREFILL_CHUNK:
         written = -(-written // PREFILL_CHUNK) * PREFILL_CHUNK
-    cache = new_cache(params, config, cache_spec, batch, max(slots, written), calibration)
+    slots = max(limit, int(start.max()) + written)
+    cache = _start_cache(params, config, cache_spec, batch, slots, calibration, cache)
+    slots = cache.slots
     key = jax.random.PRNGKey(sampling.seed)
 
     t0 = time.perf_counter()
-    logits, cache = prefill(params, config, tokens, lengths, cache)
+    logits, cache = prefill(params, config, tokens, lengths, cache, start)
+    if on_prefill is not None:
+        on_prefill(cache)
     key, sub = jax.random.split(key)
     nxt = sample(logits, jnp.asarray(seen), sub, sampling)
     seen_j = jnp.asarray(seen).at[jnp.arange(batch), nxt].set(True)
     nxt_host = np.asarray(nxt)
     prefill_s = time.perf_counter() - t0
-    seqs = [_Sequence(len(p)) for p in prompts]
-    positions = np.asarray(lengths)
+    seqs = [_Sequence(len(p), cached=int(c)) for p, c in zip(prompts, start, strict=True)]
+    live = [list(p) for p in prompts]  # tokens in the cache's slots, per row
+    positions = np.asarray([len(p) for p in prompts], np.int32)  # each row's next slot
     t1 = time.perf_counter()  # reset after the first decode step, which includes compilation
     for step in range(max_new_tokens):
         for b, s in enumerate(seqs):
             if s.done:
+                positions[b] = len(live[b])  # a finished row idles on its first free slot
                 continue
             s.ids.append(int(nxt_host[b]))
             if s.ids[-1] in eos_ids:
                 s.done = "eos"
             elif stop is not None and stop(b, s.ids):
                 s.done = "stop"
-            elif len(s.ids) >= max_new_tokens or s.prompt_len + len(s.ids) >= slots:
+            elif len(s.ids) >= max_new_tokens:
                 s.done = "length"
+            elif positions[b] + 1 >= limit:  # the context is full after this token
+                cache = _shift_or_stop(s, b, cache, live, positions, context_shift_keep,
+                                       params.rope_inv_freq)
+            if not s.done:  # the next decode step writes this token at positions[b]
+                live[b].append(s.ids[-1])
         yield seqs, prefill_s, time.perf_counter() - t1
         if all(s.done for s in seqs) or step == max_new_tokens - 1:
-            return
+            return CacheState(cache, live)
+        check_fits(positions, 1, slots)
         key, sub = jax.random.split(key)
         nxt, cache, seen_j = decode_step(params, config, cache, jnp.asarray(nxt_host),
                                          jnp.asarray(positions), sub, sampling, seen_j)
@@ -187,3 +305,20 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
         nxt_host = np.asarray(nxt)
         if step == 0:
             t1 = time.perf_counter()
+    return CacheState(cache, live)
+
+
+def _shift_or_stop(s: _Sequence, b: int, cache: KVCache, live: list[list[int]],
+                   positions: np.ndarray, keep: int | None, inv_freq: jax.Array) -> KVCache:
+    """Row b's context is full: shift it (keep tokens, drop half the rest) or end it."""
+    n_past = len(live[b])
+    keep = s.prompt_len if keep is not None and keep < 0 else keep
+    discard = 0 if keep is None else (n_past - min(keep, n_past)) // 2
+    if discard < 1:
+        s.done = "length"
+        return cache
+    cache = context_shift(cache, b, keep, discard, inv_freq)
+    live[b][keep:keep + discard] = []
+    positions[b] -= discard
+    s.shifts += 1
+    return cache

@@ -380,6 +380,25 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     return header, tensors
 
 
+def saved_length(path: str | Path) -> int:
+    """The token count of a prompt-cache file, from its header (for sizing the target row);
+    the file is checked in full by `load_prompt_cache`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise TqjaxError(f"no such prompt cache file: {path}")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            n = int((f.metadata() or {}).get("n_tokens", ""))
+    except Exception as e:  # unreadable header or count
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TqjaxError(f"prompt cache {path} is truncated or corrupt ({reason})") from None
+    if n < 1:
+        raise TqjaxError(f"prompt cache {path} is corrupt (token count {n})")
+    return n
+
+
 def load_prompt_cache(path: str | Path, meta: CacheMeta, slots: int
                       ) -> tuple[KVCache, list[int]]:
     """Restore a saved prompt cache into a new batch-1 cache of `slots` slots (>= its token
