@@ -290,3 +290,27 @@ def test_generation_past_the_context(model):
     fresh = filled(model, CacheSpec(), [live], 64)
     np.testing.assert_allclose(k0, np.asarray(fresh.layers[0].k.data[0, :, :len(live)]),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_cli_prompt_cache(tmp_path):
+    """scripts/generate.py --prompt-cache: written on the first run, reused on the second (same
+    tokens); a file for another cache type or a truncated file is one line and exit 2."""
+    import json
+    import shutil
+
+    from .test_cli import assert_user_error, run
+
+    d = tmp_path / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    f = tmp_path / "p.tqkv"
+    args = ("--model", d, "--prompt", "a long shared prefix, then a question", "-n", "4",
+            "--json", "--prompt-cache", f)
+    first, second = (run("generate.py", *args) for _ in range(2))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    a, b = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (first, second))
+    assert a["cached_tokens"] == 0 and b["cached_tokens"] == a["prompt_tokens"] - 1
+    assert a["token_ids"] == b["token_ids"]
+    assert_user_error(run("generate.py", *args, "--kv", "q8"), "another cache type")
+    f.write_bytes(f.read_bytes()[:-7])
+    assert_user_error(run("generate.py", *args), "truncated or corrupt")

@@ -122,7 +122,9 @@ class GenerationResult:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens prefilled (not taken from a cache) per second."""
+        done = self.prompt_tokens - self.cached_tokens
+        return done / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
