@@ -155,7 +155,6 @@ def main() -> int:
     from tqjax.atomic import write_json
 
     manifest_path = CURRENT / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     failures = 0
     for step, cmd, dest in plan:
         prov = provenance(cmd)
@@ -174,6 +173,8 @@ def main() -> int:
         folder = ROOT / "docs" if step == "plots" else CURRENT
         files = written_since(folder, t0)
         stamp(files, prov)
+        # read again: another results.py run may have written it meanwhile
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         manifest[f"{step}:{prov['command']}"] = prov | {
             "step": step, "exit": proc.returncode, "wall_s": wall,
             "files": [f.relative_to(ROOT).as_posix() for f in files if f != manifest_path]}
