@@ -22,9 +22,11 @@ field (`CACHE_AXES`):
 - key/value heads (wk, wv, their biases and every cache array with a head axis) are split
   when the tensor size divides their count and replicated otherwise (Qwen2.5 has 2 KV heads:
   at TP 7 each device computes both and keeps the whole cache). A tensor size must divide the
-  number of attention heads (`check_mesh`: a one-line error otherwise); any other dimension it
-  does not divide (an MLP of 4864 at TP 7, an odd vocabulary) is replicated, so per-device
-  bytes say honestly what is split (`device_bytes`).
+  number of attention heads (`check_mesh`: a one-line error otherwise). A weight whose MLP or
+  vocabulary dimension it does not divide (Qwen2.5-0.5B at TP 7: 4864 and 151936) is split
+  along its model dimension instead (`FALLBACK`; 896 = 7 x 128: the gate/up products and the
+  tied head's logits are then all-reduced, the down projection's output all-gathered); what
+  splits neither way is replicated, and `device_bytes` reports what each device holds.
 - the batch of every cache array is split over "dp" when it divides the batch.
 
 Shared constants (codebooks, rotation signs, RoPE frequencies, norms, cache centres of
@@ -82,6 +84,9 @@ LINEAR_AXES: dict[str, tuple[str, str]] = {
     "lm_head": ("embed", "vocab"),
 }
 BIAS_AXES: dict[str, str] = {"bq": "heads", "bk": "kv_heads", "bv": "kv_heads"}
+# a weight whose MLP or vocabulary dimension the tensor axis does not divide is split along
+# its model dimension instead (Qwen2.5-0.5B at TP 7: MLP 4864 and vocabulary 151936, model 896)
+FALLBACK: dict[str, str] = {"mlp": "embed", "vocab": "embed"}
 
 _PER_SLOT = ("batch", "kv_heads", "slots")
 # cache field name (a store's, or the recent window's) -> logical axes of that array
@@ -124,14 +129,22 @@ def axis_size(mesh: Mesh, name: str) -> int:
     return int(mesh.shape.get(name, 1))
 
 
-def mesh_axis(mesh: Mesh, logical: str | None, size: int) -> str | None:
-    """The mesh axis a dimension of `size` along `logical` is split over, or None (replicated:
-    no rule, a mesh axis of 1, or a size it does not divide)."""
+def mesh_axis(mesh: Mesh, logical: str | None, *sizes: int) -> str | None:
+    """The mesh axis a dimension along `logical` is split over, or None (replicated: no rule,
+    a mesh axis of 1, or one of `sizes` it does not divide: the dimension's length, and the
+    pieces it may be cut into, such as heads or quantization groups)."""
     name = RULES.get(logical) if logical else None
     if name is None:
         return None
     n = axis_size(mesh, name)
-    return name if n > 1 and size % n == 0 else None
+    return name if n > 1 and all(size and size % n == 0 for size in sizes) else None
+
+
+def logical_sizes(config: ModelConfig) -> dict[str, int]:
+    """How many whole pieces each logical axis of the model has (heads, not head columns)."""
+    return {"heads": config.num_heads, "kv_heads": config.num_kv_heads,
+            "mlp": config.intermediate_size, "vocab": config.vocab_size,
+            "embed": config.hidden_size}
 
 
 def check_mesh(config: ModelConfig, mesh: Mesh) -> None:
@@ -148,46 +161,72 @@ def _spec(mesh: Mesh, *axes: str | None) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*axes))
 
 
-def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh) -> Any:
+def split_axes(mesh: Mesh, first: str, second: str, first_sizes: tuple[int, ...],
+               second_sizes: tuple[int, ...]) -> tuple[str | None, str | None]:
+    """Mesh axes of a 2-D weight's dimensions along logical axes first / second; a dimension
+    splits when the mesh axis divides every one of its sizes (() = it may not be cut). When
+    neither splits by its own rule, a `FALLBACK` splits the other one over the same mesh
+    axis."""
+    a = mesh_axis(mesh, first, *first_sizes) if first_sizes else None
+    b = mesh_axis(mesh, second, *second_sizes) if second_sizes else None
+    if a is None and b is None:
+        if FALLBACK.get(second) == first and first_sizes:
+            a = _fallback(mesh, second, first_sizes)
+        elif FALLBACK.get(first) == second and second_sizes:
+            b = _fallback(mesh, first, second_sizes)
+    return a, b
+
+
+def _fallback(mesh: Mesh, logical: str, sizes: tuple[int, ...]) -> str | None:
+    name = RULES[logical]
+    n = axis_size(mesh, name) if name else 1
+    return name if n > 1 and all(size and size % n == 0 for size in sizes) else None
+
+
+def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
+                     sizes: dict[str, int]) -> Any:
     """Shardings (a pytree like w) of a linear weight used as [in, out] along the logical
     axes in_axis / out_axis: dense [in, out], QuantizedLinear or GGMLLinear (see the module
-    docstring for where each may split)."""
+    docstring for where each may split); `sizes` = `logical_sizes(config)`."""
     rep = _spec(mesh)
-    if isinstance(w, QuantizedLinear):
-        groups = w.scale.shape[0]
-        rows = mesh_axis(mesh, in_axis, groups) if w.padded_in == w.in_features else None
-        cols = mesh_axis(mesh, out_axis, w.out_features)
-        split = _spec(mesh, rows, cols)
+
+    def dims(in_pieces: int, out_len: int) -> tuple[str | None, str | None]:
+        ins = (in_pieces, sizes[in_axis]) if in_pieces else ()
+        return split_axes(mesh, in_axis, out_axis, ins, (out_len, sizes[out_axis]))
+
+    if isinstance(w, QuantizedLinear):  # rows cut only at group boundaries, never padded
+        groups = w.scale.shape[0] if w.padded_in == w.in_features else 0
+        split = _spec(mesh, *dims(groups, w.out_features))
         return jax.tree.map(lambda _: rep, w).replace(
             packed=split, scale=split, offset=None if w.offset is None else split)
-    if isinstance(w, GGMLLinear):  # data [out, in-blocks · type size]
-        blocks = w.in_features // w.block
-        rows = mesh_axis(mesh, in_axis, blocks)
-        return w.replace(data=_spec(mesh, mesh_axis(mesh, out_axis, w.out_features), rows))
+    if isinstance(w, GGMLLinear):  # data [out, in-blocks · type size], cut at block boundaries
+        rows, cols = dims(w.in_features // w.block, w.out_features)
+        return w.replace(data=_spec(mesh, cols, rows))
     k, n = w.shape
-    return _spec(mesh, mesh_axis(mesh, in_axis, k), mesh_axis(mesh, out_axis, n))
+    return _spec(mesh, *dims(k, n))
 
 
 def param_shardings(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
     """A Params-shaped pytree of NamedSharding for `params` on `mesh` (shapes and static fields
     only are read, so abstract params of ShapeDtypeStruct leaves work too)."""
     check_mesh(config, mesh)
-    rep = _spec(mesh)
+    rep, sizes = _spec(mesh), logical_sizes(config)
     layers = []
     for lp in params.layers:
         out = jax.tree.map(lambda _: rep, lp)
-        fields = {name: weight_shardings(getattr(lp, name), *axes, mesh)
+        fields = {name: weight_shardings(getattr(lp, name), *axes, mesh, sizes)
                   for name, axes in LINEAR_AXES.items() if name != "lm_head"}
-        fields |= {name: _spec(mesh, mesh_axis(mesh, axis, getattr(lp, name).shape[0]))
+        fields |= {name: _spec(mesh, mesh_axis(mesh, axis, sizes[axis]))
                    for name, axis in BIAS_AXES.items() if getattr(lp, name) is not None}
         layers.append(out.replace(**fields))
     embed = params.embed
     if isinstance(embed, (QuantizedLinear, GGMLLinear)):  # embedᵀ [D, V] / blocks with out = V
-        embed_sh = weight_shardings(embed, "embed", "vocab", mesh)
+        embed_sh = weight_shardings(embed, "embed", "vocab", mesh, sizes)
     else:  # dense [V, D]
-        embed_sh = _spec(mesh, mesh_axis(mesh, "vocab", embed.shape[0]), None)
+        v, d = embed.shape
+        embed_sh = _spec(mesh, *split_axes(mesh, "vocab", "embed", (v,), (d,)))
     head = None if params.lm_head is None else weight_shardings(
-        params.lm_head, *LINEAR_AXES["lm_head"], mesh)
+        params.lm_head, *LINEAR_AXES["lm_head"], mesh, sizes)
     return Params(embed=embed_sh, layers=layers, final_norm=rep, lm_head=head,
                   rope_inv_freq=rep)
 
