@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
+from tqjax.commands.provenance import git_info, machine_info
 
 SCHEMA = "tqjax-bench/1"
 PEERS = ("hf", "llamacpp")
@@ -64,46 +64,6 @@ def proc_status_bytes(field: str, pid: int | str = "self") -> int:
     except OSError:
         pass
     return 0
-
-
-def git_info(root: Path = ROOT) -> dict:
-    """{"commit": HEAD sha or None, "dirty": tracked files modified?} of the checkout."""
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
-                                 text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
-
-
-def machine_info() -> dict:
-    """CPU model, core count, memory, OS and Python of this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "mem_total_bytes": mem,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "node": platform.node()}
 
 
 def measure_copy_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = BANDWIDTH_REPEATS,
@@ -519,7 +479,7 @@ def main() -> int:
     result = {
         "schema": SCHEMA, "label": args.label,
         "model": Path(path).name.removesuffix(".gguf"), "model_path": path,
-        **git_info(), "jax": jax.__version__, "machine": machine_info(),
+        **git_info(ROOT), "jax": jax.__version__, "machine": machine_info(),
         "backend": args.backend, "device": str(jax.devices()[0]),
         "dtype": args.dtype, "weights": args.weights or "none", "bpw": args.bpw,
         "quantize_embeddings": args.quantize_embeddings,

@@ -23,8 +23,6 @@ time and the files it wrote. A step that fails stops the run (exit 1) unless --k
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -77,34 +75,16 @@ def commands(step: str, models: list[str]) -> list[tuple[list[str], Path | None]
     raise TqjaxError(f"unknown step {step!r} (choose from: {', '.join(STEPS)})")
 
 
-def git(*args: str) -> str | None:
-    """A git command's stdout in the checkout, or None where git fails."""
-    try:
-        proc = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                              timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
 def provenance(command: list[str]) -> dict:
     """Commit (and whether tracked files differ from it), JAX version, machine, command."""
     import jax
 
-    status = git("status", "--porcelain", "--untracked-files=no")
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").open()
-                    if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
-            "jax": jax.__version__, "machine": {"cpu": cpu, "cpu_count": os.cpu_count(),
-                                                "platform": platform.platform(),
-                                                "python": platform.python_version()},
-            "command": "python " + shlex.join(Path(c).relative_to(ROOT).as_posix()
-                                              if c.startswith(str(ROOT)) else c
-                                              for c in command)}
+    from tqjax.commands.provenance import git_info, machine_info
+
+    shown = [Path(c).relative_to(ROOT).as_posix() if c.startswith(str(ROOT)) else c
+             for c in command]
+    return git_info(ROOT) | {"jax": jax.__version__, "machine": machine_info(),
+                             "command": "python " + shlex.join(shown)}
 
 
 def written_since(folder: Path, t0: float) -> list[Path]:
