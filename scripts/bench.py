@@ -40,7 +40,14 @@ import sys
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
+from tqjax.cli import (
+    ArgumentParser,
+    add_model_args,
+    cache_spec,
+    model_mesh,
+    print_json,
+    run_main,
+)
 from tqjax.commands.provenance import git_info, machine_info
 
 SCHEMA = "tqjax-bench/1"
@@ -459,10 +466,11 @@ def main() -> int:
     bandwidth = ({"copy_gbps": args.bandwidth, "method": "given (--bandwidth)"}
                  if args.bandwidth is not None else bandwidth_in_subprocess())
 
+    mesh = model_mesh(args)
     rss_start = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()
     model = tqjax.load(path, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
-                       quantize_embeddings=args.quantize_embeddings)
+                       quantize_embeddings=args.quantize_embeddings, mesh=mesh)
     jax.block_until_ready(model.params)
     load_s = time.perf_counter() - t0
     rss_load = proc_status_bytes("VmRSS")
