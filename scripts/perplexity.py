@@ -9,7 +9,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
+from tqjax.cli import (
+    ArgumentParser,
+    add_model_args,
+    cache_spec,
+    model_mesh,
+    print_json,
+    run_main,
+)
 
 
 def main() -> int:
@@ -43,6 +50,7 @@ def main() -> int:
     from tqjax.pallas.backend import use_backend
 
     spec = cache_spec(args)
+    mesh = model_mesh(args)
     if args.text_file is not None:
         if not args.text_file.is_file():
             raise TqjaxError(f"no such text file: {args.text_file}")
@@ -52,12 +60,12 @@ def main() -> int:
         text, source = corpus_text(args.corpus), args.corpus
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        quantize_embeddings=args.quantize_embeddings,
-                       progress=not args.json)
+                       progress=not args.json, mesh=mesh)
     reference_model, reference_name = None, "an f32 cache"
     if args.reference is not None or (args.compare and args.weights is not None):
         reference_name = args.reference or f"{args.model} unquantized"
         reference_model = tqjax.load(args.reference or args.model, dtype=args.dtype,
-                                     progress=not args.json)
+                                     progress=not args.json, mesh=mesh)
         if reference_model.config.vocab_size != model.config.vocab_size:
             raise TqjaxError(f"the reference {reference_name} has another vocabulary "
                              f"({reference_model.config.vocab_size} vs "
@@ -75,7 +83,7 @@ def main() -> int:
            "windows": res.windows, "ctx": args.ctx_size, "text": source,
            "model": model.source, "dtype": args.dtype,
            "cache_type_k": spec.k, "cache_type_v": spec.v, "backend": args.backend,
-           **kv_footprint(model, spec, args.ctx_size),
+           "tp": args.tp, "dp": args.dp, **kv_footprint(model, spec, args.ctx_size),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:
         out |= {"reference": reference_name, "kl": res.kl, "top1": res.top1,

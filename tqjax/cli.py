@@ -52,6 +52,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="xla", choices=["xla", "pallas"],
                    help="hot-path implementation: plain XLA or Pallas kernels "
                         "(interpret mode on CPU)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel: split attention heads, the MLP and the vocabulary over "
+                        "N devices (N must divide the attention heads; on CPU, N host devices "
+                        "are made)")
+    p.add_argument("--dp", type=int, default=1, metavar="M",
+                   help="data parallel: split the batch over M devices (a mesh of M x N)")
     study = p.add_argument_group("research options (the KV cache's robustness steps; the "
                                  "defaults are the recipe)")
     study.add_argument("--kv-naive", action="store_true",
@@ -62,6 +68,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                             "(a per-layer ring of N fp16 keys and values; default 32, 0 = off)")
     study.add_argument("--kv-boundary-layers", type=int, default=0,
                        help="keep the first and last N layers' cache in q8")
+
+
+def model_mesh(args: argparse.Namespace) -> object:
+    """The device mesh --tp/--dp ask for (`tqjax.sharding.make_mesh`), or None for one device.
+
+    Before JAX starts its backends, the CPU platform is asked for tp x dp host devices
+    (XLA_FLAGS), so `--tp` also runs on a CPU-only machine; accelerators are unaffected."""
+    import jax
+
+    from tqjax.sharding import make_mesh
+
+    n = args.tp * args.dp
+    if args.tp == args.dp == 1:
+        return None
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        from jax._src import xla_bridge  # no public "has JAX started" query
+
+        if not xla_bridge.backends_are_initialized():
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+    return make_mesh(tp=args.tp, dp=args.dp, devices=jax.devices())
 
 
 def cache_spec(args: argparse.Namespace) -> object:
