@@ -1,0 +1,166 @@
+"""The memory planner: exact parameter and cache bytes against what the loaders and the cache
+really allocate, the search against a direct computation, one-line errors; one real run."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tqjax import planner
+from tqjax.errors import TqjaxError
+from tqjax.kv.cache import CacheSpec, make_cache
+from tqjax.models.config import rope_inv_freq
+from tqjax.models.loading import load_checkpoint
+from tqjax.models.quantize import WeightSpec, quantize_params
+
+from .conftest import GOLDEN, ROOT
+from .test_loading import write_gguf
+
+
+def tree_bytes(tree) -> int:
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
+
+
+def unique_bytes(tree) -> int:
+    """Bytes of distinct device buffers (shared luts / rotations counted once)."""
+    seen = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        seen[id(x)] = int(x.nbytes)
+    return sum(seen.values())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / f"{request.param}.gguf"
+    write_gguf(request.param, path)
+    return path
+
+
+@pytest.mark.parametrize("text,want", [("8GiB", 8 * 2**30), ("7.5GB", 7_500_000_000),
+                                       ("512 MiB", 512 * 2**20), ("123456", 123456),
+                                       ("2kib", 2048), (4096, 4096)])
+def test_parse_bytes(text, want):
+    assert planner.parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("bad", ["8XB", "-1GiB", "0", "GiB", "", "1e9", "8 GiB extra", -5])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(TqjaxError) as e:
+        planner.parse_bytes(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("weights,dtype", [("f32", "float32"), ("bf16", "bfloat16"),
+                                           ("gguf", None)])
+def test_param_bytes_equal_the_loaded_pytree(tiny, weights, dtype):
+    config, tensors = planner._tensor_table(tiny)
+    _, params, _ = load_checkpoint(tiny, dtype or "float32", blocks=weights == "gguf")
+    assert planner.param_bytes(config, tensors, weights) == tree_bytes(params)
+
+
+@pytest.mark.parametrize("method", ["int8", "tq4"])
+def test_param_bytes_equal_the_quantized_pytree(tiny, method):
+    config, tensors = planner._tensor_table(tiny)
+    _, params, _ = load_checkpoint(tiny)
+    q = quantize_params(params, config, WeightSpec(method), None)
+    assert planner.param_bytes(config, tensors, method) == unique_bytes(q)
+
+
+def test_mixed_counts_its_budget(tiny):
+    config, tensors = planner._tensor_table(tiny)
+    f32 = planner.param_bytes(config, tensors, "f32")
+    linear = sum(math.prod(tensors[n].shape) for n in tensors
+                 if n.startswith("model.layers.") and n.endswith("proj.weight"))
+    assert planner.param_bytes(config, tensors, "mixed-4.25") == (
+        f32 - 4 * linear + sum(math.floor(math.prod(tensors[n].shape) * 4.25 / 8)
+                               for n in tensors
+                               if n.startswith("model.layers.") and n.endswith("proj.weight")))
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8", "turbo4/turbo3"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_kv_bytes_equal_an_allocated_cache(tiny, kv, devices):
+    config, _ = planner._tensor_table(tiny)
+    per_token, per_seq, shared = planner.kv_bytes(config, kv, devices)
+    k, _, v = kv.partition("/")
+    heads = config.num_kv_heads // devices if config.num_kv_heads % devices == 0 else \
+        config.num_kv_heads
+    zeros = np.zeros((config.num_layers, heads, config.head_dim), np.float32)
+    from tqjax.kv.cache import Calibration
+
+    cache = make_cache(CacheSpec(k, v or k), batch=3, slots=1024, num_layers=config.num_layers,
+                       kv_heads=heads, head_dim=config.head_dim,
+                       calibration=Calibration(zeros, zeros, zeros + 1),
+                       inv_freq=rope_inv_freq(config))
+    assert 3 * (1024 * per_token + per_seq) + shared == unique_bytes(cache)
+
+
+def test_plan_is_the_largest_that_fits(tiny, monkeypatch):
+    monkeypatch.setattr(planner, "RUNTIME", planner.Runtime(1e6, 10.0, 2.0, "test", 0.5))
+    monkeypatch.setattr(planner, "MARGIN", 0.1)
+    config, tensors = planner._tensor_table(tiny)
+    per_token, per_seq, shared = planner.kv_bytes(config, "f32")
+
+    def peak(weights, batch, ctx):  # an independent statement of the model
+        params = planner.param_bytes(config, tensors, weights)
+        slots = -(-ctx // 64) * 64
+        f32 = planner.param_bytes(config, tensors, "f32")
+        return (params + (0.5 * f32 if weights == "bf16" else 0.0)
+                + batch * (slots * per_token + per_seq) + shared + 1e6
+                + 10.0 * batch * config.vocab_size + 2.0 * batch * min(512, slots)
+                * config.hidden_size)
+
+    for w in ("f32", "bf16"):
+        # 100 tokens -> 128 slots: a context of 128 fits, 129 (192 slots) does not
+        budget = math.ceil(1.1 * round(peak(w, 2, 100))) + 1
+        row = planner.plan(tiny, budget, batch=2, weights=(w,), kv=("f32",)).rows[0]
+        assert row.max_context == 128 and 1.1 * peak(w, 2, 129) > budget
+        assert row.peak_bytes == round(peak(w, 2, 128))
+        row = planner.plan(tiny, budget, context=64, weights=(w,), kv=("f32",)).rows[0]
+        b = row.max_batch
+        assert 1.1 * peak(w, b, 64) <= budget < 1.1 * peak(w, b + 1, 64)
+    assert planner.plan(tiny, 1000, weights=("f32",), kv=("f32",)).rows[0].max_context == 0
+
+
+def test_plan_bad_inputs_are_one_line(tiny, tmp_path):
+    for kwargs in ({"devices": 0}, {"batch": -1}, {"context": 10**9}):
+        with pytest.raises(TqjaxError):
+            planner.plan(tiny, "1GiB", **kwargs)
+    with pytest.raises(TqjaxError, match="cannot read memory size"):
+        planner.plan(tiny, "8XB")
+    with pytest.raises(TqjaxError, match="no such model"):
+        planner.plan(tmp_path / "nope.gguf", "1GiB")
+    hf = GOLDEN / "tiny" / "qwen2"
+    assert all(r.weights != "gguf" for r in planner.plan(hf, "1GiB").rows)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "-m", str(tiny),
+                           "--memory", "8XB"], capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "8XB" in proc.stderr
+
+
+def test_plan_script_json(tiny):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "-m", str(tiny),
+                           "--memory", "2GiB", "--context", "128", "--json"],
+                          capture_output=True, text=True, check=True)
+    out = json.loads(proc.stdout)
+    want = [(w, k) for w in planner.WEIGHT_PRESETS for k in planner.KV_PRESETS]
+    assert [(r["weights"], r["kv"]) for r in out["rows"]] == want
+    assert all(r["max_batch"] >= 1 and r["peak_bytes"] <= 2 * 2**30 for r in out["rows"])
+
+
+@pytest.mark.slow
+def test_planned_context_runs_within_tolerance():
+    """One real run: SmolLM2 with GGUF weights and a turbo4 cache at the planned context for a
+    budget; peak RSS under the budget and within 10% of the prediction."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plan_check.py"), "--cases",
+         "smollm2-135m-instruct:gguf:turbo4:420MiB"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    check = json.loads(proc.stdout)["checks"][0]
+    assert check["planned_context"] >= 512
+    assert check["loaded_param_bytes"] == check["planned_param_bytes"]
+    assert check["under_budget"] and abs(check["relative_error"]) <= 0.10, check
