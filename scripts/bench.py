@@ -181,7 +181,7 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, s
     import numpy as np
 
     from tqjax.decode.generate import decode_step, new_cache, prefill
-    from tqjax.decode.sampling import SamplingParams
+    from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
 
     cfg = model.config
     rng = np.random.default_rng(0)
@@ -207,23 +207,23 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, s
         if i:
             prefill_times.append(time.perf_counter() - t0)
 
-    sampling = SamplingParams()
+    sampling = row_sampling([SamplingParams()])
     seen = jnp.zeros((1, cfg.vocab_size), bool)
-    key = jax.random.PRNGKey(0)
+    key = row_keys(0, 1)
     tok = jnp.asarray([1], jnp.int32)
     step_s, run_s = [], []
     for _ in range(repeats):
         for i in range(2):  # warm-up (the first call also compiles)
-            tok, cache, seen = decode_step(model.params, cfg, cache, tok,
-                                           jnp.asarray([context + i], jnp.int32), key,
-                                           sampling, seen)
+            tok, cache, seen, key, _ = decode_step(model.params, cfg, cache, tok,
+                                                   jnp.asarray([context + i], jnp.int32), key,
+                                                   sampling, seen)
             tok.block_until_ready()
         t_run = time.perf_counter()
         for i in range(decode_tokens):
             t0 = time.perf_counter()
-            tok, cache, seen = decode_step(model.params, cfg, cache, tok,
-                                           jnp.asarray([context + 2 + i], jnp.int32), key,
-                                           sampling, seen)
+            tok, cache, seen, key, _ = decode_step(model.params, cfg, cache, tok,
+                                                   jnp.asarray([context + 2 + i], jnp.int32),
+                                                   key, sampling, seen)
             int(tok[0])  # a real generation loop needs the token on the host every step
             step_s.append(time.perf_counter() - t0)
         run_s.append(time.perf_counter() - t_run)

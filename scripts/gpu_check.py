@@ -356,13 +356,12 @@ def tq4_params(params: object) -> tuple[object, str]:
 
 def decode_speed(config: object, params: object, cache_type: str, backend: str,
                  context: int, steps: int = 32) -> dict:
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from tqjax.decode.calibrate import calibrate
     from tqjax.decode.generate import decode_step, new_cache
-    from tqjax.decode.sampling import SamplingParams
+    from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
     from tqjax.kv import cache as kvc
     from tqjax.pallas.backend import use_backend
 
@@ -374,17 +373,20 @@ def decode_speed(config: object, params: object, cache_type: str, backend: str,
     with use_backend(backend):
         cache = new_cache(params, config, spec, 1, context + 64, calibration)
         seen = jnp.zeros((1, config.vocab_size), bool)
-        key, tok, sampling = jax.random.PRNGKey(0), jnp.asarray([1], jnp.int32), SamplingParams()
+        key, tok = row_keys(0, 1), jnp.asarray([1], jnp.int32)
+        sampling = row_sampling([SamplingParams()])
         t0 = time.perf_counter()
         for i in range(2):  # compile + warm-up
-            tok, cache, seen = decode_step(params, config, cache, tok,
-                                           jnp.asarray([context + i]), key, sampling, seen)
+            tok, cache, seen, key, _ = decode_step(params, config, cache, tok,
+                                                   jnp.asarray([context + i]), key, sampling,
+                                                   seen)
             tok.block_until_ready()
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i in range(steps):
-            tok, cache, seen = decode_step(params, config, cache, tok,
-                                           jnp.asarray([context + 2 + i]), key, sampling, seen)
+            tok, cache, seen, key, _ = decode_step(params, config, cache, tok,
+                                                   jnp.asarray([context + 2 + i]), key,
+                                                   sampling, seen)
             int(tok[0])  # the token goes to the host every step, as in generation
         dt = time.perf_counter() - t0
     return {"tok_s": steps / dt, "ms_per_token": 1000 * dt / steps,

@@ -20,16 +20,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds (after one warm-up)")
     args = p.parse_args()
 
-    import jax
     import jax.numpy as jnp
 
     import tqjax
     from tqjax.decode.generate import decode_step, new_cache
-    from tqjax.decode.sampling import SamplingParams
+    from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
     from tqjax.kv.cache import CacheSpec
 
     model = tqjax.load(args.model)
-    cfg, sampling = model.config, SamplingParams()
+    cfg, sampling = model.config, row_sampling([SamplingParams()])
     runs = {}
     for run in args.runs:
         kind, slots, pos = run.split(":")
@@ -37,12 +36,12 @@ def main() -> None:
         cache = new_cache(model.params, cfg, spec, 1, int(slots), model.calibration(spec))
         runs[run] = {"cache": cache, "pos": int(pos), "times": [],
                      "seen": jnp.zeros((1, cfg.vocab_size), bool)}
-    key, tok = jax.random.PRNGKey(0), jnp.asarray([1], jnp.int32)
+    key, tok = row_keys(0, 1), jnp.asarray([1], jnp.int32)
     for r in range(args.rounds + 1):
         for st in runs.values():
             t0 = time.perf_counter()
             for i in range(args.steps):
-                t, st["cache"], st["seen"] = decode_step(
+                t, st["cache"], st["seen"], _, _ = decode_step(
                     model.params, cfg, st["cache"], tok, jnp.asarray([st["pos"] + i], jnp.int32),
                     key, sampling, st["seen"])
                 int(t[0])

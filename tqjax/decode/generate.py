@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tqjax.decode.sampling import SamplingParams, sample
+from tqjax.decode.sampling import (
+    RowSampling,
+    SamplingParams,
+    TokenLogprobs,
+    row_keys,
+    row_sampling,
+    sample_rows,
+    token_logprobs,
+)
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, KVCache, make_cache
 from tqjax.kv.rope import apply_rope, rope_cos_sin
@@ -92,18 +100,23 @@ def full_logits(params: Params, config: ModelConfig, tokens: jax.Array, start: j
     return forward(params, config, tokens, start, cache)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 6), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 8), donate_argnums=(2,))
 def decode_step(params: Params, config: ModelConfig, cache: KVCache, tokens: jax.Array,
-                positions: jax.Array, key: jax.Array, sampling: SamplingParams,
-                seen: jax.Array) -> tuple[jax.Array, KVCache, jax.Array]:
-    """Feed tokens int32 [B] at positions int32 [B]; sample the next ones.
+                positions: jax.Array, keys: jax.Array, sampling: RowSampling, seen: jax.Array,
+                top_logprobs: int = 0
+                ) -> tuple[jax.Array, KVCache, jax.Array, jax.Array, TokenLogprobs | None]:
+    """Feed tokens int32 [B] at positions int32 [B]; sample the next ones with each row's own
+    settings (`sampling`: traced arrays [B]) and PRNG key (keys uint32 [B, 2]).
 
-    Returns (next tokens int32 [B], cache, seen bool [B, V] updated with the next tokens).
+    Returns (next tokens int32 [B], cache, seen bool [B, V] updated with the next tokens, the
+    rows' next keys [B, 2], and with `top_logprobs` > 0 (static) the log-probabilities of the
+    next tokens and of each row's `top_logprobs` most likely ones, else None).
     """
     logits, cache = forward(params, config, tokens[:, None], positions, cache,
                             out_index=jnp.zeros_like(positions))
-    nxt = sample(logits, seen, key, sampling)
-    return nxt, cache, seen.at[jnp.arange(nxt.shape[0]), nxt].set(True)
+    nxt, keys = sample_rows(logits, seen, keys, sampling)
+    logprobs = token_logprobs(logits, nxt, top_logprobs) if top_logprobs else None
+    return nxt, cache, seen.at[jnp.arange(nxt.shape[0]), nxt].set(True), keys, logprobs
 
 
 @dataclasses.dataclass
@@ -264,14 +277,13 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     slots = max(limit, int(start.max()) + written)
     cache = _start_cache(params, config, cache_spec, batch, slots, calibration, cache)
     slots = cache.slots
-    key = jax.random.PRNGKey(sampling.seed)
+    keys, rows = row_keys(sampling.seed, batch), row_sampling([sampling] * batch)
 
     t0 = time.perf_counter()
     logits, cache = prefill(params, config, tokens, lengths, cache, start)
     if on_prefill is not None:
         on_prefill(cache)
-    key, sub = jax.random.split(key)
-    nxt = sample(logits, jnp.asarray(seen), sub, sampling)
+    nxt, keys = sample_rows(logits, jnp.asarray(seen), keys, rows)
     seen_j = jnp.asarray(seen).at[jnp.arange(batch), nxt].set(True)
     nxt_host = np.asarray(nxt)
     prefill_s = time.perf_counter() - t0
@@ -300,9 +312,8 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
         if all(s.done for s in seqs) or step == max_new_tokens - 1:
             return CacheState(cache, live)
         check_fits(positions, 1, slots)
-        key, sub = jax.random.split(key)
-        nxt, cache, seen_j = decode_step(params, config, cache, jnp.asarray(nxt_host),
-                                         jnp.asarray(positions), sub, sampling, seen_j)
+        nxt, cache, seen_j, keys, _ = decode_step(params, config, cache, jnp.asarray(nxt_host),
+                                                  jnp.asarray(positions), keys, rows, seen_j)
         positions = positions + 1
         nxt_host = np.asarray(nxt)
         if step == 0:
