@@ -1,0 +1,344 @@
+"""The OpenAI-compatible server against live uvicorn servers on loopback, driven by the real
+`openai` client (and httpx for raw HTTP): greedy outputs equal offline `tqjax.generate` token for
+token (also 16 concurrent requests, and a turbo4 cache), prefix reuse skips prefill, sampling
+settings never recompile, faults give their status and the server keeps serving."""
+
+import concurrent.futures
+import functools
+import json
+import shutil
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+import tqjax
+from tqjax.decode import generate as gen
+from tqjax.kv.cache import CacheSpec
+
+from .conftest import GOLDEN
+from .test_cli import make_byte_tokenizer
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+CTX = 256
+post = functools.partial(httpx.post, timeout=300)
+get = functools.partial(httpx.get, timeout=300)
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return tqjax.load(d)
+
+
+class Live:
+    """A uvicorn server on a free loopback port in a thread."""
+
+    def __init__(self, model, spec=CacheSpec(), slots=4, tmp=None, ctx=CTX, **kw):
+        from tqjax.serve.engine import Engine
+        from tqjax.serve.server import Server, create_app
+
+        self.engine = Engine(model, spec, slots=slots, ctx_size=ctx, **kw)
+        self.server = Server(self.engine, "tiny", slot_save_path=tmp, max_body_bytes=4096)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(self.server, shutdown_grace_s=2),
+                                                host="127.0.0.1", port=self.port,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        while not self.uv.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                                    timeout=300)
+
+    def metric(self, name):
+        text = get(self.url + "/metrics").text
+        return next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith(name + " ") or line.startswith(name + "_total "))
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def live(model, tmp_path_factory):
+    srv = Live(model, tmp=tmp_path_factory.mktemp("slots"))
+    yield srv
+    srv.close()
+
+
+def offline(model, prompt, n, **kw):
+    return tqjax.generate(model, prompt, max_new_tokens=n, ctx_size=CTX, **kw)
+
+
+def chat_ids(model, text):
+    return model.tokenizer.encode(model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}]), add_bos=False)
+
+
+def test_completions_and_chat_equal_offline_greedy(model, live):
+    ref = offline(model, "Once upon a time", 12)
+    out = live.client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
+                                         temperature=0)
+    assert out.choices[0].text == ref.text
+    assert out.usage.completion_tokens == ref.generated_tokens
+    assert out.usage.prompt_tokens == ref.prompt_tokens
+    assert out.choices[0].finish_reason == ("stop" if ref.finish_reason == "eos" else "length")
+    pieces = list(live.client.completions.create(model="tiny", prompt="Once upon a time",
+                                                 max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in pieces) == ref.text
+
+    ids = chat_ids(model, "Hi there")
+    ref = offline(model, ids, 10)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    out = live.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                              temperature=0)
+    assert out.choices[0].message.content == ref.text
+    stream = live.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == ref.generated_tokens
+
+
+def run_many(client, prompts, n, **kw):
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(client.completions.create, model="tiny", prompt=p, max_tokens=n,
+                            temperature=0, **kw) for p in prompts]
+        return [f.result().choices[0].text for f in futs]
+
+
+def prompts16():
+    rng = np.random.default_rng(1)
+    words = "the a cat dog sat on mat and ran far away over hill".split()
+    # 1-12 words (< 64 bytes with the 8 new tokens): one padded shape, so the offline
+    # references compile once
+    return [" ".join(rng.choice(words, int(k))) for k in rng.integers(1, 13, 16)]
+
+
+def test_sixteen_concurrent_requests_equal_offline(model, live):
+    prompts = prompts16()
+    got = run_many(live.client, prompts, 8)
+    want = [offline(model, p, 8).text for p in prompts]
+    assert got == want  # no lost, duplicated or mixed-up responses
+
+
+def test_turbo4_cache_equals_offline(model):
+    spec = CacheSpec("turbo4", "turbo4")
+    srv = Live(model, spec, slots=16)
+    try:
+        prompts = prompts16()
+        got = run_many(srv.client, prompts, 8)
+        assert got == [offline(model, p, 8, cache=spec).text for p in prompts]
+    finally:
+        srv.close()
+
+
+def test_prefix_reuse_prefills_only_the_rest(model, live):
+    system = "You are a helpful assistant who answers briefly. " * 3
+    a, b = system + "First question?", system + "Second one!"
+    ids_a, ids_b = model.tokenizer.encode(a), model.tokenizer.encode(b)
+    common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+    live.client.completions.create(model="tiny", prompt=a, max_tokens=4, temperature=0)
+    before = live.metric("tqjax_prefill_tokens")
+    hits = live.metric("tqjax_prefix_cache_hits")
+    out = live.client.completions.create(model="tiny", prompt=b, max_tokens=6, temperature=0)
+    assert live.metric("tqjax_prefill_tokens") - before == len(ids_b) - common
+    assert live.metric("tqjax_prefix_cache_hits") == hits + 1
+    assert out.usage.prompt_tokens_details.cached_tokens == common
+    assert out.choices[0].text == offline(model, b, 6).text
+
+
+def test_sampling_settings_never_recompile(model, live):
+    live.client.completions.create(model="tiny", prompt="warm", max_tokens=3, temperature=0)
+    compiled = gen.decode_step._cache_size()
+    outs = {}
+    for t, k, p, seed in [(0.7, 0, 1.0, 1), (1.3, 5, 0.9, 2), (0.5, 40, 0.5, 3), (0, 0, 1, 4)]:
+        outs[seed] = live.client.completions.create(
+            model="tiny", prompt="abc", max_tokens=6, temperature=t, top_p=p, seed=seed,
+            extra_body={"top_k": k, "min_p": 0.05, "repeat_penalty": 1.1}).choices[0].text
+    assert gen.decode_step._cache_size() == compiled
+    # a seeded sampled request draws exactly what the offline run with that seed draws
+    assert outs[2] == offline(model, "abc", 6, temperature=1.3, top_k=5, top_p=0.9, min_p=0.05,
+                              repeat_penalty=1.1, seed=2).text
+
+
+def test_logprobs_match_the_model(model, live):
+    out = live.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "xy"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3)
+    ids = chat_ids(model, "xy")
+    gen_ids = offline(model, ids, 3).token_ids
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(gen_ids)
+    for i, entry in enumerate(content):
+        logits = tqjax.logits(model, ids + gen_ids[:i])[-1].astype(np.float64)
+        logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        assert entry.logprob == pytest.approx(logp[gen_ids[i]], abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            np.sort(logp)[::-1][:3], abs=1e-4)
+
+
+def test_stop_strings_cut_the_text(model, live):
+    ref = offline(model, "Hello", 12).text
+    stop = ref[3:5]
+    out = live.client.completions.create(model="tiny", prompt="Hello", max_tokens=12,
+                                         temperature=0, stop=[stop])
+    assert out.choices[0].text == ref[: ref.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_other_endpoints(model, live):
+    assert get(live.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in live.client.models.list().data] == ["tiny"]
+    toks = post(live.url + "/tokenize", json={"content": "hi there"}).json()["tokens"]
+    assert toks == model.tokenizer.encode("hi there", add_bos=False)
+    back = post(live.url + "/detokenize", json={"tokens": toks}).json()
+    assert back == {"content": "hi there"}
+    text = get(live.url + "/metrics").text
+    for name in ("tqjax_requests_running", "tqjax_requests_waiting", "tqjax_kv_slots_in_use",
+                 "tqjax_tokens_per_second", "tqjax_prefix_cache_hits_total"):
+        assert name in text
+
+
+def status_and_error(resp):
+    body = resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return resp.status_code
+
+
+def test_faults_give_their_status_and_the_server_keeps_serving(model, live, monkeypatch):
+    url = live.url + "/v1/completions"
+    ok = {"prompt": "ab", "max_tokens": 2, "temperature": 0}
+    cases = [
+        (post(url, content=b"{not json", headers={"content-type": "application/json"}),
+         400),
+        (post(url, json={**ok, "temperature": -1}), 400),
+        (post(url, json={**ok, "top_p": 0}), 400),
+        (post(url, json={**ok, "max_tokens": 0}), 400),
+        (post(url, json={**ok, "max_tokens": CTX + 1}), 400),
+        (post(url, json={**ok, "prompt": "x" * CTX}), 400),
+        (post(url, json={**ok, "prompt": [100000]}), 400),
+        (post(url, json={**ok, "n": 2}), 400),
+        (post(url, json={"max_tokens": 2}), 400),
+        (post(live.url + "/v1/chat/completions", json={"messages": []}), 400),
+        (post(url, json={**ok, "prompt": "x" * 5000}), 413),
+        (get(live.url + "/v1/nothing"), 404),
+        (post(live.url + "/detokenize", json={"tokens": [-1]}), 400),
+    ]
+    assert [status_and_error(r) for r, _ in cases] == [s for _, s in cases]
+    with pytest.raises(openai.BadRequestError):
+        live.client.completions.create(model="tiny", prompt="ab", max_tokens=2, temperature=3)
+
+    monkeypatch.setattr(live.server, "api_key", "secret")
+    assert status_and_error(post(url, json=ok)) == 401
+    assert post(url, json=ok, headers={"authorization": "Bearer secret"}).status_code == 200
+    monkeypatch.setattr(live.server, "api_key", None)
+
+    monkeypatch.setattr(live.engine, "max_queue", 0)
+    assert status_and_error(post(url, json=ok)) == 429
+    monkeypatch.setattr(live.engine, "max_queue", 64)
+
+    real, marker = live.engine._prefill, model.tokenizer.encode("FAIL")
+
+    def broken(row):  # an internal failure in one request only
+        if live.engine.slots[row].req.prompt[:4] == marker:
+            raise RuntimeError("injected")
+        return real(row)
+
+    monkeypatch.setattr(live.engine, "_prefill", broken)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(httpx.post, url, json={**ok, "prompt": "FAIL now"})
+        good = pool.submit(live.client.completions.create, model="tiny", prompt="fine",
+                           max_tokens=5, temperature=0)
+        assert status_and_error(bad.result()) == 500
+        assert good.result().choices[0].text == offline(model, "fine", 5).text
+    out = live.client.completions.create(model="tiny", prompt="after", max_tokens=4,
+                                         temperature=0)
+    assert out.choices[0].text == offline(model, "after", 4).text
+
+
+def test_disconnect_frees_the_slot(live, monkeypatch):
+    real = live.engine._decode
+
+    def slow():  # 20 ms per step: the request would run for ~5 s
+        time.sleep(0.02)
+        real()
+
+    monkeypatch.setattr(live.engine, "_decode", slow)
+    before = live.metric("tqjax_generated_tokens")
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=300,
+                      json={"prompt": "go", "max_tokens": CTX - 8, "temperature": 0,
+                            "stream": True}) as r:
+        lines = r.iter_lines()  # kept: dropping the iterator closes the response
+        next(lines)
+        assert live.metric("tqjax_kv_slots_in_use") == 1
+    t0 = time.time()
+    while live.metric("tqjax_kv_slots_in_use") > 0 and time.time() < t0 + 30:
+        time.sleep(0.02)
+    assert live.metric("tqjax_kv_slots_in_use") == 0
+    assert live.metric("tqjax_generated_tokens") - before < (CTX - 8) / 2  # stopped early
+
+
+def test_slot_save_restore_erase(model, live):
+    prompt = "Saved prefix for the slot test. " * 2
+    ids = model.tokenizer.encode(prompt)
+    ok = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    row = max(range(live.engine.n), key=lambda i: len(
+        [1 for a, b in zip(live.engine.slots[i].tokens, ids, strict=False) if a == b]))
+    slot = f"{live.url}/slots/{row}"
+    saved = post(slot, params={"action": "save"}, json={"filename": "a.bin"}).json()
+    assert saved["n_saved"] >= len(ids)
+    assert status_and_error(post(slot, params={"action": "save"},
+                                       json={"filename": "../x.bin"})) == 400
+    assert status_and_error(post(slot, params={"action": "restore"},
+                                       json={"filename": "missing.bin"})) == 400
+    assert status_and_error(post(slot, params={"action": "fly"})) == 400
+    for i in range(live.engine.n):  # forget every cached prefix
+        post(f"{live.url}/slots/{i}", params={"action": "erase"}).raise_for_status()
+    assert post(slot, params={"action": "restore"},
+                      json={"filename": "a.bin"}).json()["n_restored"] == saved["n_saved"]
+    again = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                           temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    assert again.choices[0].text == ok.choices[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_system_prompt_reuse_and_equal_greedy_output():
+    from tqjax.data import calibration_part
+
+    model = tqjax.load("smollm2-135m-instruct")
+    system = " ".join(calibration_part("prose").split()[:700])
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
+    srv = Live(model, slots=2, ctx=1536)
+    try:
+        srv.client.chat.completions.create(model="m", messages=msgs("Summarise."),
+                                           max_tokens=4, temperature=0)
+        before = srv.metric("tqjax_prefill_tokens")
+        second = srv.client.chat.completions.create(model="m", messages=msgs("Name a colour."),
+                                                    max_tokens=8, temperature=0)
+        ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(msgs("Name a colour.")),
+                                     add_bos=False)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert len(ids) > 900 and cached > 900
+        assert srv.metric("tqjax_prefill_tokens") - before == len(ids) - cached
+        assert second.choices[0].message.content == tqjax.generate(
+            model, ids, max_new_tokens=8, ctx_size=1536).text
+    finally:
+        srv.close()
