@@ -1,0 +1,104 @@
+"""Generate text with a Llama/Qwen model: `tqjax-generate --prompt "Once upon"`.
+
+Streams text to stdout; `--json` prints one final JSON line instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
+
+
+def parse_args(argv: list[str] | None = None) -> object:
+    p = ArgumentParser(prog="tqjax-generate", description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--prompt", "-p", default="Once upon a time,", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help="context size in tokens (default: the model's)")
+    p.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="reuse the cached prefix of the prompt from FILE if it matches, then "
+                        "save the prompt's cache there (llama.cpp's --prompt-cache)")
+    p.add_argument("--prompt-cache-ro", action="store_true",
+                   help="with --prompt-cache: read the file, never write it")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when the context is full, drop half of the tokens after the first "
+                        "--keep and go on (dense key caches); default: stop")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="with --context-shift: tokens kept at the start (-1: the whole prompt)")
+    p.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    return p.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Generate; returns the exit status (user errors raise TqjaxError)."""
+    args = parse_args(argv)
+    import tqjax
+    from tqjax.api import kv_footprint
+    from tqjax.decode.sampling import SamplingParams
+    from tqjax.pallas.backend import use_backend
+
+    # Validate every option before the (slow) model load.
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
+    spec = cache_spec(args)
+    if args.ctx_size is not None and args.ctx_size < 2:
+        raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
+    if args.prompt_cache_ro and args.prompt_cache is None:
+        raise tqjax.TqjaxError("--prompt-cache-ro goes with --prompt-cache FILE")
+    if args.keep < -1:
+        raise tqjax.TqjaxError(f"--keep must be >= -1, got {args.keep}")
+    model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       quantize_embeddings=args.quantize_embeddings,
+                       progress=not args.json)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    with use_backend(args.backend):
+        result = tqjax.generate(
+            model, args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+            chat=args.chat, system=args.system, ctx_size=args.ctx_size, cache=spec,
+            on_text=None if args.json else stream, context_shift=args.context_shift,
+            n_keep=args.keep, prompt_cache=args.prompt_cache,
+            prompt_cache_ro=args.prompt_cache_ro)
+    if args.json:
+        print_json({
+            "text": result.text, "token_ids": result.token_ids,
+            "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
+            "finish_reason": result.finish_reason, "cached_tokens": result.cached_tokens,
+            "context_shifts": result.context_shifts,
+            "prefill_tok_s": round(result.prefill_tok_s, 2),
+            "decode_tok_s": round(result.decode_tok_s, 2),
+            "model": model.source, "dtype": args.dtype, "backend": args.backend,
+            "cache_type_k": spec.k, "cache_type_v": spec.v,
+            **kv_footprint(model, spec, args.ctx_size),
+        })
+    else:
+        sys.stdout.write("\n")
+        cached = f" ({result.cached_tokens} from the prompt cache)" if result.cached_tokens else ""
+        print(f"[{result.prompt_tokens} prompt tokens{cached} at {result.prefill_tok_s:.1f} tok/s, "
+              f"{result.generated_tokens} generated at {result.decode_tok_s:.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point `tqjax-generate`: one-line errors, exit 2 on bad input."""
+    run_main(lambda: run(argv))
+
+
+if __name__ == "__main__":
+    main()
