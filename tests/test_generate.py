@@ -166,3 +166,28 @@ def test_first_order_nll_is_the_slope_of_the_nll_along_the_weight_errors(model):
     got = first_order_nll(model, quantized, ids, 16)
     assert abs(slope) > 1e-3  # a slope the check can see
     np.testing.assert_allclose(got, slope, rtol=0.02, atol=2e-4)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(text_model):
+    vocab = text_model.config.vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(TqjaxError, match=r"out of range \[0, 256\)"):
+            tqjax.generate(text_model, bad, max_new_tokens=2)
+
+
+def test_no_write_past_the_cache_slots(model):
+    """A prefill whose padded chunks would run past the slots is refused (XLA would clamp the
+    write onto the last live slots); a starting cache too small for the prompt is grown."""
+    cache = gen.new_cache(model.params, model.config, tqjax.CacheSpec(), 1, 64)
+    tokens = np.ones((1, 64), np.int32)
+    with pytest.raises(TqjaxError, match="needs 74 cache slots, the cache has 64"):
+        gen.prefill(model.params, model.config, tokens, np.asarray([64]), cache,
+                    start=np.asarray([10]))
+    prompt = list(range(3, 60))
+    _, full = gen.prefill(model.params, model.config, np.asarray([prompt + [0] * 7], np.int32),
+                          np.asarray([57]), cache)
+    steps = gen.generate_tokens(model.params, model.config, [prompt + [5, 6]], max_new_tokens=3,
+                                sampling=SamplingParams(), eos_ids=(), ctx_size=256,
+                                cache=full, cached=[57])
+    *_, last = steps
+    assert last[0][0].cached == 57 and last[0][0].ids == greedy(model, [prompt + [5, 6]], 3)[0]
