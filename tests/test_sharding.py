@@ -193,9 +193,10 @@ def tiny_checks() -> dict[str, Any]:
 
 
 def real_checks() -> dict[str, Any]:
-    """SmolLM2 (9/3 heads) at TP 3 and Qwen2.5-Coder-0.5B (14/2) at TP 2 and 7, f32, on 32
-    tokens; SmolLM2's greedy continuation at TP 3. Qwen keeps its first 8 of 24 layers (real
-    weights and shapes; the full model's f32 copy plus a sharded one peaked at 6.7 GB RSS)."""
+    """SmolLM2 (9/3 heads) at TP 3 (f32, and its GGUF blocks kept) and Qwen2.5-Coder-0.5B
+    (14/2) at TP 2 and 7, f32, on 32 tokens; SmolLM2's greedy continuation at TP 3. Qwen
+    keeps its first 8 of 24 layers (real weights and shapes; the full model's f32 copy plus a
+    sharded one peaked at 6.7 GB RSS)."""
     import jax
 
     import tqjax
@@ -204,9 +205,10 @@ def real_checks() -> dict[str, Any]:
     t0 = time.perf_counter()
     out: dict[str, Any] = {"logits": {}, "bytes": {}}
     text = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:"
-    for name, tps, layers in (("smollm2-135m-instruct", (3,), None),
-                              ("qwen2.5-coder-0.5b-instruct", (2, 7), 8)):
-        model = tqjax.load(name)
+    for name, weights, tps, layers in (("smollm2-135m-instruct", None, (3,), None),
+                                       ("smollm2-135m-instruct", "gguf", (3,), None),
+                                       ("qwen2.5-coder-0.5b-instruct", None, (2, 7), 8)):
+        model = tqjax.load(name, weights=weights)  # "gguf": the file's Q4_1/Q8_0 blocks
         if layers is not None:
             model = dataclasses.replace(
                 model, config=dataclasses.replace(model.config, num_layers=layers),
@@ -215,12 +217,12 @@ def real_checks() -> dict[str, Any]:
         ref = tqjax.logits(model, ids)
         total = sum(x.nbytes for x in jax.tree.leaves(model.params))
         greedy_ref = None
-        if layers is None:
+        if layers is None and weights is None:
             greedy_ref = tqjax.generate(model, text, max_new_tokens=16).token_ids
         for tp in tps:
             sharded = dataclasses.replace(
                 model, params=shard_params(model.params, model.config, make_mesh(tp)))
-            key = f"{name} tp{tp}"
+            key = f"{name}{' gguf' if weights else ''} tp{tp}"
             got = tqjax.logits(sharded, ids)
             out["logits"][key] = _rel(got, ref)
             out["bytes"][key] = {"per_device": sorted(device_bytes(sharded.params).values()),
@@ -339,6 +341,7 @@ def test_cli_tp_that_does_not_divide_the_heads_is_one_line():
 @pytest.mark.slow
 def test_real_models_sharded_match_one_device(real):
     assert set(real["logits"]) == {"smollm2-135m-instruct tp3",
+                                   "smollm2-135m-instruct gguf tp3",
                                    "qwen2.5-coder-0.5b-instruct tp2",
                                    "qwen2.5-coder-0.5b-instruct tp7"}
     bad = {k: v for k, v in real["logits"].items() if not v <= TOL}
