@@ -261,6 +261,9 @@ def test_generation_past_the_context(model):
     """Without context shift a full context stops with 'length'; with it generation goes on
     (keep 4, drop half the rest, twice here) and the cache holds exactly the kept tokens."""
     prompt = np.random.default_rng(7).integers(3, 256, 20).tolist()
+    with pytest.raises(TqjaxError, match="context shift needs dense keys"):  # before any work
+        tqjax.generate(model, prompt, max_new_tokens=40, ctx_size=32, cache=SPECS["q8"],
+                       context_shift=True)
     stopped = tqjax.generate(model, prompt, max_new_tokens=40, ctx_size=32)
     assert stopped.finish_reason == "length"
     assert stopped.prompt_tokens + len(stopped.token_ids) == 32

@@ -172,6 +172,12 @@ def context_shift(cache: KVCache, row: int, keep: int, discard: int,
     rotation: a rotation by −discard·θ). Dense key stores (f32/bf16/f16) only, and value stores
     without sink slots or a recent-token ring (a compressed key would have to be decoded,
     rotated and re-quantized): anything else is a TqjaxError."""
+    check_shiftable(cache)
+    return _shift(cache, jnp.int32(row), jnp.int32(keep), jnp.int32(discard), inv_freq)
+
+
+def check_shiftable(cache: KVCache) -> None:
+    """Raise TqjaxError unless `context_shift` supports the cache's stores."""
     from tqjax.kv.store import DenseStore
 
     for i, layer in enumerate(cache.layers):
@@ -181,7 +187,6 @@ def context_shift(cache: KVCache, row: int, keep: int, discard: int,
             raise TqjaxError(f"context shift needs dense keys (f32/bf16/f16) and values without "
                              f"turbo aids; layer {i} has {type(layer.k).__name__} keys and "
                              f"{type(layer.v).__name__} values")
-    return _shift(cache, jnp.int32(row), jnp.int32(keep), jnp.int32(discard), inv_freq)
 
 
 @jax.jit
@@ -263,6 +268,8 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
         raise TqjaxError("cached lengths need a starting cache, one per prompt")
     if np.any(start < 0) or np.any(start >= [len(p) for p in prompts]):
         raise TqjaxError("a starting cache must leave at least one prompt token to prefill")
+    if context_shift_keep is not None:  # refuse before any work, not when the context fills
+        check_shiftable(new_cache(params, config, cache_spec, 1, 1, calibration))
     limit = min(ctx_size, padded_length(longest + max_new_tokens))  # positions 0..limit-1
     rest = [p[c:] for p, c in zip(prompts, start, strict=True)]
     tokens = np.zeros((batch, padded_length(max(len(r) for r in rest))), np.int32)
