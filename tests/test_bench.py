@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from .conftest import GOLDEN, ROOT
+from .conftest import GOLDEN
 from .test_cli import assert_user_error, run
 
 TINY = GOLDEN / "tiny" / "llama"  # untied head, 2 layers, 2 KV heads of 16, vocab 256, d 64
@@ -111,7 +111,7 @@ def test_bench_bad_flags(tiny_model, args, needle):
 
 
 def test_roofline_arithmetic():
-    bench = runpy.run_path(str(ROOT / "scripts" / "bench.py"))
+    bench = runpy.run_module("tqjax.commands.bench")
     # 1 GB at 10 GB/s is 0.1 s; measured 0.2 s per step -> half the roofline, 10 tok/s at best
     assert bench["roofline"](1e9, 10.0, 0.2) == {
         "roofline_ms_per_token": 100.0, "roofline_tok_s": 10.0, "roofline_fraction": 0.5}
@@ -119,7 +119,7 @@ def test_roofline_arithmetic():
 
 
 def test_missing_peer_is_a_note():
-    bench = runpy.run_path(str(ROOT / "scripts" / "bench.py"))
+    bench = runpy.run_module("tqjax.commands.bench")
     bench["PEER_MODULES"]["llamacpp"] = ("no_such_module_tqjax",)
     note = bench["run_peer"]("llamacpp", "x.gguf", 8, 8, 1, 1)
     assert set(note) == {"note"} and "no_such_module_tqjax" in note["note"]

@@ -39,7 +39,7 @@ from pathlib import Path
 from tqjax.cli import ArgumentParser, print_json, run_main
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (results/ lives there)
-BENCH = (sys.executable, str(ROOT / "scripts" / "bench.py"))
+BENCH = (sys.executable, "-m", "tqjax.commands.bench")
 QUANTIZE = (sys.executable, "-m", "tqjax.commands.quantize")
 DEFAULT_OUT = ROOT / "results" / "current" / "bench"
 QUICK_OUT = ROOT / "results" / "current" / "bench-quick"

@@ -1,0 +1,70 @@
+"""Serve a model over an OpenAI-compatible HTTP API with continuous batching:
+`python scripts/serve.py -m smollm2-135m-instruct --kv turbo4 --slots 4 --port 8080`.
+
+FastAPI + uvicorn (`tqjax.serve.server`); the engine (`tqjax.serve.engine`) keeps `--slots`
+cache rows of `--ctx-size` positions and batches every running request into one decode step.
+Binds to 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqjax.cli import ArgumentParser, add_model_args, cache_spec, run_main
+
+
+def parse_args(argv: list[str] | None = None) -> object:
+    p = ArgumentParser(prog="tqjax-serve", description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--slots", "-np", type=int, default=4,
+                   help="cache rows: requests decoded together (default 4)")
+    p.add_argument("--ctx-size", "-c", type=int, default=2048,
+                   help="positions per slot (prompt + generated; default 2048)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="waiting requests before 429 (default 64)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (except /health)")
+    p.add_argument("--slot-save-path", default=None,
+                   help="directory for POST /slots/{id}?action=save|restore files")
+    p.add_argument("--alias", default=None, help="model id reported by /v1/models")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    return p.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Serve until interrupted; returns the exit status (user errors raise TqjaxError)."""
+    args = parse_args(argv)
+    import uvicorn
+
+    import tqjax
+    from tqjax.pallas.backend import check_backend
+    from tqjax.serve.engine import Engine
+    from tqjax.serve.server import Server, create_app
+
+    spec = cache_spec(args)
+    check_backend(args.backend)
+    if not 0 < args.port < 65536:
+        raise tqjax.TqjaxError(f"--port must be in 1..65535, got {args.port}")
+    if args.slots < 1 or args.max_queue < 0:
+        raise tqjax.TqjaxError("--slots must be >= 1 and --max-queue >= 0")
+    if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
+        raise tqjax.TqjaxError(f"--slot-save-path {args.slot_save_path} is not a directory")
+    model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
+                       quantize_embeddings=args.quantize_embeddings, progress=True)
+    engine = Engine(model, spec, slots=args.slots, ctx_size=args.ctx_size,
+                    max_queue=args.max_queue, backend=args.backend)
+    server = Server(engine, args.alias or Path(str(args.model)).name, api_key=args.api_key,
+                    slot_save_path=args.slot_save_path, max_body_bytes=args.max_body_bytes)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point `tqjax-serve`: one-line errors, exit 2 on bad input."""
+    run_main(lambda: run(argv))
+
+
+if __name__ == "__main__":
+    main()
