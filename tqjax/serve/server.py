@@ -504,7 +504,10 @@ def create_app(server: Server, shutdown_grace_s: float = 10.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await asyncio.to_thread(server.engine.shutdown, shutdown_grace_s)
+        try:  # a thread, so that running streams keep receiving tokens while they finish
+            await asyncio.to_thread(server.engine.shutdown, shutdown_grace_s)
+        except RuntimeError:  # the interpreter is exiting: no new threads, cancel at once
+            server.engine.shutdown(0.0)
 
     app = FastAPI(title="tqjax", lifespan=lifespan)
 
