@@ -285,7 +285,8 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
     """
     check_spec(spec)
     if spec.needs_calibration and calibration is None:
-        raise TqjaxError("centred turbo keys/values need a calibration pass")
+        raise TqjaxError("centred keys/values (turbo, or baselines with aids) need a "
+                         "calibration pass")
     layers = []
     for i, (kt, vt) in enumerate(layer_types(spec, num_layers)):
         plain = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed)
@@ -327,7 +328,7 @@ def _slot_bytes(store: object) -> int:
     total = 0
     for field in dataclasses.fields(store):
         leaf = getattr(store, field.name)
-        if dataclasses.is_dataclass(leaf):  # a wrapper's inner store
+        if field.name == "inner":  # a wrapper (AidedStore, HadamardStore) around a store
             total += _slot_bytes(leaf)
         elif field.name != "sink" and isinstance(leaf, jax.Array) and leaf.ndim >= 3:
             total += leaf.nbytes
