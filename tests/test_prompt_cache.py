@@ -158,6 +158,10 @@ def test_bad_prompt_cache_files_are_refused(model, tmp_path):
 
     other = model.params.replace(final_norm=model.params.final_norm * 1.5)
     refused(data, "another model", meta_for(model, spec, other))
+    import dataclasses  # a replaced Model shares the memo dict but not the memo
+
+    changed = dataclasses.replace(model, params=other)
+    assert changed.cache_meta(spec).model_sha256 != model.cache_meta(spec).model_sha256
     refused(data, "another cache type", meta_for(model, SPECS["turbo4/turbo3"]))
     refused(data, "another cache type", meta_for(model, CacheSpec("turbo4", "turbo4", seed=1)))
     refused(data[: len(data) - 100], "truncated or corrupt")

@@ -51,7 +51,8 @@ class Model:
     source: str
     dtype: str
     _calibration: Calibration | None = dataclasses.field(default=None, repr=False)
-    _metas: dict[CacheSpec, CacheMeta] = dataclasses.field(default_factory=dict, repr=False)
+    _metas: dict[CacheSpec, tuple[Params, CacheMeta]] = dataclasses.field(default_factory=dict,
+                                                                         repr=False)
 
     def calibration(self, spec: CacheSpec) -> Calibration | None:
         """KV means from the built-in calibration text when `spec` centres a turbo store
@@ -69,10 +70,12 @@ class Model:
     def cache_meta(self, spec: CacheSpec) -> CacheMeta:
         """What a saved prompt cache of this model in format `spec` must match (the first call
         hashes every parameter: about a second per 500 MB)."""
-        if spec not in self._metas:
-            self._metas[spec] = cache_meta(self.config, self.params, self.tokenizer, spec,
-                                           self.calibration(spec))
-        return self._metas[spec]
+        params, meta = self._metas.get(spec, (None, None))
+        if params is not self.params:  # (a dataclasses.replace'd Model shares this dict)
+            meta = cache_meta(self.config, self.params, self.tokenizer, spec,
+                              self.calibration(spec))
+            self._metas[spec] = (self.params, meta)
+        return meta
 
 
 def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
