@@ -44,12 +44,14 @@ def model(tmp_path_factory):
 class Live:
     """A uvicorn server on a free loopback port in a thread."""
 
-    def __init__(self, model, spec=CacheSpec(), slots=4, tmp=None, ctx=CTX, **kw):
+    def __init__(self, model, spec=CacheSpec(), slots=4, tmp=None, ctx=CTX, max_body=4096,
+                 **kw):
         from tqjax.serve.engine import Engine
         from tqjax.serve.server import Server, create_app
 
         self.engine = Engine(model, spec, slots=slots, ctx_size=ctx, **kw)
-        self.server = Server(self.engine, "tiny", slot_save_path=tmp, max_body_bytes=4096)
+        self.server = Server(self.engine, "tiny", slot_save_path=tmp,
+                             max_body_bytes=max_body)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -326,7 +328,7 @@ def test_smollm2_system_prompt_reuse_and_equal_greedy_output():
     model = tqjax.load("smollm2-135m-instruct")
     system = " ".join(calibration_part("prose").split()[:700])
     msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
-    srv = Live(model, slots=2, ctx=1536)
+    srv = Live(model, slots=2, ctx=1536, max_body=1 << 20)
     try:
         srv.client.chat.completions.create(model="m", messages=msgs("Summarise."),
                                            max_tokens=4, temperature=0)
