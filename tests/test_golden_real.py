@@ -27,16 +27,26 @@ NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 TOLERANCE = {
     "smollm2-135m-instruct": (1.0e-4, 2.0e-5),
     "qwen2.5-coder-0.5b-instruct": (5.0e-5, 5.0e-5),
+    # measured 2026-12-03 (f32 load, 2 windows of 256): 1.01e-4 and 6.2e-5 (+0.0062%)
+    "qwen2.5-coder-1.5b-instruct": (2.0e-4, 1.0e-4),
 }
 LOOSEST = tuple(max(t[i] for t in TOLERANCE.values()) for i in range(2))
 
 
-@pytest.fixture(scope="module", params=NAMES)
+# Qwen2.5-Coder-1.5B (head_dim 128; golden on a shorter text: 2 windows of 256) is `slow`
+# (6.2 GB of f32 weights; 9 minutes under heavy shared load, 4 of them loading). Keeping its
+# GGUF blocks instead (weights="gguf") matches HF's logits as closely (5.2e-5) but decodes
+# every block at every greedy step: over 20 minutes here.
+SLOW = {"qwen2.5-coder-1.5b-instruct": {}}
+
+
+@pytest.fixture(scope="module", params=[*NAMES, *(pytest.param(n, marks=pytest.mark.slow)
+                                                  for n in SLOW)])
 def case(request):
     name = request.param
     ref = load_file(GOLDEN / "real" / f"{name}.safetensors")
     meta = json.loads((GOLDEN / "real" / f"{name}.json").read_text())
-    return tqjax.load(name), ref, meta
+    return tqjax.load(name, **SLOW.get(name, {})), ref, meta
 
 
 def test_logits_match_hf(case):
