@@ -31,15 +31,17 @@ from tqjax.cli import ArgumentParser, print_json, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
-# model:weights:kv:budget; budgets chosen so that the planned contexts take a few minutes each
-# to fill on a shared 2-core CPU.
+# model:weights:kv:budget
+# budgets chosen (with the planner's constants of this commit) so that each planned context is
+# 1024 tokens; f32 weights: the bf16 and GGUF-block rows are upper bounds (see planner.RUNTIME)
 CASES = (
-    f"{SMOL}:f32:f32:800MiB",
-    f"{SMOL}:bf16:turbo4:600MiB",
-    f"{SMOL}:gguf:turbo4/turbo3:500MiB",
-    f"{QWEN}:f32:f32:2600MiB",
-    f"{QWEN}:bf16:turbo4:1600MiB",
-    f"{QWEN}:gguf:turbo3:1200MiB",
+    f"{SMOL}:f32:f32:1131MiB",
+    f"{SMOL}:f32:q8:1096MiB",
+    f"{SMOL}:f32:turbo4/turbo3:1648MiB",
+    f"{SMOL}:f32:bf16:1108MiB",
+    f"{QWEN}:f32:f32:3135MiB",
+    f"{QWEN}:f32:q8:3116MiB",
+    f"{QWEN}:f32:turbo3:3559MiB",
 )
 # model, prompt tokens, slots for the fit (f32 weights and cache)
 FIT_RUNS = ((SMOL, 58, 64), (SMOL, 1018, 1024), (QWEN, 58, 64), (QWEN, 1018, 1024))

@@ -15,7 +15,8 @@ A run's peak resident memory is modelled as
   allocates them (whole 512-token prefill chunks).
 - runtime: the working set of the runtime, MEASURED (`RUNTIME`): the JAX/Python base with
   compiled executables, plus terms for the logits and the prefill activations, and for bf16
-  weights the f32 copies XLA's CPU dots make of them.
+  and GGUF-block weights the f32 copies the compiled steps hold (an upper bound, see
+  `RUNTIME`).
 A preset fits when peak · (1 + `MARGIN`) is within the budget. The constants
   were fitted by `python scripts/plan_check.py --fit` (peak RSS of `scripts/bench.py`
   subprocesses minus their exact params and cache bytes); see `results/current/plan/`.
@@ -66,19 +67,29 @@ class Runtime:
     per_activation: float
     command: str
     dequantized: float = 0.0  # bf16 and GGUF-block weights: × the weights' f32 bytes
+    per_calibrated_layer: float = 0.0  # turbo caches (calibration pass): × layers
 
 
 # Measured: `python scripts/plan_check.py --fit` (results/current/plan/fit.json): least squares
 # over bench.py peak RSS (VmHWM) minus exact params and cache, SmolLM2 and Qwen2.5-Coder-0.5B,
 # f32 weights and cache, prompts of 58 and 1018 tokens, batch 1; largest misfit 34 MB. The
 # vocabulary term is not measurable at batch 1 (its fitted coefficient was negative): 0.
-# bf16 and GGUF-block weights: on Qwen2.5-Coder-0.5B (prompt 1018; bf16 with an f32 cache,
-# GGUF blocks with turbo4) the residual exceeded this model by 0.79 and 0.76 × the weights' f32
-# bytes: the compiled steps hold f32 copies of most weights at their peak (XLA's CPU dots
-# upcast bf16; the GGUF prefill decodes whole matrices). int8 / tq4 / mixed were not measured
-# here (their tiled XLA linear keeps its temporaries under 1/4 of one f32 weight).
+# bf16 and GGUF-block weights: the compiled steps hold f32 copies of weights at their peak
+# (XLA's CPU dots upcast bf16; the GGUF prefill decodes whole matrices). Measured beyond this
+# model and the turbo term below, in units of the weights' f32 bytes (bench.py, 1024 slots):
+# Qwen2.5-Coder-0.5B bf16 with an f32 cache 0.79, GGUF blocks with turbo4 0.59; SmolLM2 bf16
+# with turbo4 1.14, GGUF blocks with turbo4/turbo3 1.11. The planner takes the largest, so its
+# bf16 and GGUF rows are upper bounds (on Qwen ~0.9 GB high).
+# int8 / tq4 / mixed were not measured (their tiled XLA linear keeps its temporaries under
+# 1/4 of one f32 weight).
+# Turbo caches: the calibration pass (`tqjax.decode.calibrate`, one jitted forward over the
+# built-in text, ~500 tokens) raised the peak beyond this model by 432 MB on Qwen2.5-Coder-0.5B
+# (24 layers; f32 weights, turbo3, 1536 slots) and 565 MB on SmolLM2 (30 layers; turbo4, 1024
+# slots): 18.0 and 18.8 MB per layer, not per vocabulary entry (the models' vocabularies differ
+# 3x). Both runs are in results/current/plan/check.json; the constant is their mean.
 RUNTIME = Runtime(base=493_281_922.0, per_logit=0.0, per_activation=132.85,
-                  command="python scripts/plan_check.py --fit", dequantized=0.79)
+                  command="python scripts/plan_check.py --fit", dequantized=1.14,
+                  per_calibrated_layer=18.4e6)
 # A preset fits when its predicted peak plus this fraction is within the budget: the fit's
 # largest misfit was 34 MB (5.6% of SmolLM2's smallest run).
 MARGIN = 0.06
@@ -228,22 +239,25 @@ def slots_for(context: int) -> int:
 
 
 def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = "f32",
-                  f32_params: int = 0) -> int:
+                  f32_params: int = 0, calibrated: bool = False) -> int:
     """The measured working set beyond params and cache (`RUNTIME`), bytes; `f32_params`: the
-    weights' bytes in f32 (for bf16 and GGUF blocks)."""
+    weights' bytes in f32 (for bf16 and GGUF blocks); `calibrated`: a turbo cache's
+    calibration pass runs."""
     chunk = min(PREFILL_CHUNK, slots_for(context))
     upcast = RUNTIME.dequantized * f32_params if weights in ("bf16", "gguf") else 0.0
+    calib = RUNTIME.per_calibrated_layer * config.num_layers if calibrated else 0.0
     return round(RUNTIME.base + RUNTIME.per_logit * batch * config.vocab_size
-                 + RUNTIME.per_activation * batch * chunk * config.hidden_size + upcast)
+                 + RUNTIME.per_activation * batch * chunk * config.hidden_size + upcast + calib)
 
 
 def predict_peak(params: int, kv: tuple[float, int, int], config: ModelConfig, batch: int,
-                 context: int, weights: str = "f32", f32_params: int = 0) -> int:
+                 context: int, weights: str = "f32", f32_params: int = 0,
+                 calibrated: bool = False) -> int:
     """Predicted peak bytes per device for `batch` sequences in a cache of `context` tokens."""
     per_token, per_seq, shared = kv
     slots = slots_for(context)
     return round(params + batch * (slots * per_token + per_seq) + shared
-                 + runtime_bytes(config, batch, context, weights, f32_params))
+                 + runtime_bytes(config, batch, context, weights, f32_params, calibrated))
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -261,8 +275,11 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int, f32_params: in
          context: int | None) -> PresetPlan:
     """One preset's longest context (and largest batch at `context`) whose predicted peak plus
     `MARGIN` is within `budget`."""
+    k, _, v = kv.partition("/")
+    calib = CacheSpec(k, v or k).needs_calibration
+
     def peak(b: int, c: int) -> int:
-        return predict_peak(params, kvb, config, b, c, weights, f32_params)
+        return predict_peak(params, kvb, config, b, c, weights, f32_params, calib)
 
     def fits(b: int, c: int) -> bool:
         return peak(b, c) * (1 + MARGIN) <= budget
@@ -275,7 +292,8 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int, f32_params: in
         max_batch = max(0, _largest(lambda b: fits(b, context), 1, 1 << 16))
         top = peak(max(max_batch, 1), context)
     return PresetPlan(weights, kv, params, kvb[0], kvb[1] + kvb[2],
-                      runtime_bytes(config, batch, max(ctx, 1), weights, f32_params), ctx,
+                      runtime_bytes(config, batch, max(ctx, 1), weights, f32_params, calib),
+                      ctx,
                       max_batch, top)
 
 
