@@ -112,8 +112,12 @@ def cache_spec(args: argparse.Namespace) -> object:
 
 
 def enable_compilation_cache() -> None:
-    """Persist compiled XLA programs so a second run skips most compilation."""
+    """Persist compiled XLA programs so a second run skips most compilation
+    (`TQJAX_XLA_CACHE=0` turns it off)."""
     import jax
+
+    if os.environ.get("TQJAX_XLA_CACHE", "1").lower() in ("0", "off", "false", "no"):
+        return
 
     from tqjax.fetch import cache_dir
 

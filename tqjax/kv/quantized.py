@@ -22,6 +22,8 @@ attend to heavily) then carry no quantization error, for a fixed cost per layer.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -212,6 +214,31 @@ def _centre_at(store: Aided, positions: jax.Array) -> jax.Array:
     return apply_rope(store.center, cos[..., None, :], sin[..., None, :])
 
 
+def _centre_scores(store: Aided, q: jax.Array, first: jax.Array | int, size: int) -> jax.Array:
+    """⟨q, R_(first+i) μ⟩ for the store slots i < size: q f32 [B, KV, N, hd] -> [B, KV, N, size].
+
+    With RoPE, ⟨q, R_p μ⟩ = a·cos(pθ) + b·sin(pθ) summed over the frequencies, a and b per
+    frequency from q and μ; the angle sum p = first + u + v (u a multiple of `inner`, v < inner)
+    splits the [N, size, hd/2] table into [N, size/inner, hd/2] and [inner, hd/2] factors and a
+    matmul, so no [size, KV, hd] array of rotated centres is built."""
+    if store.inv_freq is None:
+        dots = jnp.einsum("bknd,kd->bkn", q, store.center)
+        return jnp.broadcast_to(dots[..., None], (*dots.shape, size))
+    half = q.shape[-1] // 2
+    mu1, mu2 = store.center[None, :, None, :half], store.center[None, :, None, half:]
+    q1, q2 = q[..., :half], q[..., half:]
+    a, b = q1 * mu1 + q2 * mu2, q2 * mu1 - q1 * mu2  # [B, KV, N, hd/2]
+    c0, s0 = rope_cos_sin(jnp.asarray(first), store.inv_freq)  # [hd/2]
+    a, b = a * c0 + b * s0, b * c0 - a * s0
+    inner = math.gcd(size, 32)
+    cu, su = rope_cos_sin(jnp.arange(0, size, inner), store.inv_freq)  # [U, hd/2]
+    cv, sv = rope_cos_sin(jnp.arange(inner), store.inv_freq)  # [V, hd/2]
+    au = a[..., None, :] * cu + b[..., None, :] * su  # [B, KV, N, U, hd/2]
+    bu = b[..., None, :] * cu - a[..., None, :] * su
+    s = jnp.einsum("bknui,vi->bknuv", au, cv) + jnp.einsum("bknui,vi->bknuv", bu, sv)
+    return s.reshape(*s.shape[:3], size)
+
+
 def _turbo_rotated(store: TurboStore) -> jax.Array:
     """Stored vectors in the rotated space, f32 [B, KV, S, hd] (scale · centroids)."""
     codes = unpack_codes(store.quantizer, store.packed)
@@ -270,7 +297,7 @@ def _aid_scores(store: Aided, s: jax.Array, q: jax.Array, first: jax.Array | int
     qs = q.astype(jnp.float32)
     slots = first + jnp.arange(s.shape[-1])  # [S] cache slot of each store slot
     if store.center is not None:
-        s = s + jnp.einsum("bknd,skd->bkns", qs, _centre_at(store, slots))
+        s = s + _centre_scores(store, qs, first, s.shape[-1])
     if store.sink is not None:
         onehot = _sink_onehot(store, slots)
         exact = jnp.einsum("bknd,bkid->bkni", qs, store.sink.astype(jnp.float32))
