@@ -419,6 +419,7 @@ def test_centre_scores_match_float64_rope():
         ang = (first + np.arange(size))[:, None] * inv.astype(np.float64)  # [S, hd/2]
         c, s, h = np.cos(ang)[:, None], np.sin(ang)[:, None], hd // 2
         mu = centre.astype(np.float64)[None]
-        rot = np.concatenate([mu[..., :h] * c - mu[..., h:] * s, mu[..., h:] * c + mu[..., :h] * s], -1)
+        m1, m2 = mu[..., :h], mu[..., h:]
+        rot = np.concatenate([m1 * c - m2 * s, m2 * c + m1 * s], -1)
         want = np.einsum("bknd,skd->bkns", q.astype(np.float64), rot)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (hd, size, first)
