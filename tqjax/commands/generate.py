@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import sys
 
-from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, run_main
+from tqjax.cli import (
+    ArgumentParser,
+    add_model_args,
+    cache_spec,
+    model_mesh,
+    print_json,
+    run_main,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> object:
@@ -51,6 +58,7 @@ def run(argv: list[str] | None = None) -> int:
     # Validate every option before the (slow) model load.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
     spec = cache_spec(args)
+    mesh = model_mesh(args)
     if args.ctx_size is not None and args.ctx_size < 2:
         raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     if args.prompt_cache_ro and args.prompt_cache is None:
@@ -59,7 +67,7 @@ def run(argv: list[str] | None = None) -> int:
         raise tqjax.TqjaxError(f"--keep must be >= -1, got {args.keep}")
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        quantize_embeddings=args.quantize_embeddings,
-                       progress=not args.json)
+                       progress=not args.json, mesh=mesh)
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
