@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqjax.cli import ArgumentParser, check_writable, run_main
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import NAIVE
+from tqjax.kv.cache import NAIVE, parse_kv
 
 DEFAULT_TYPES = ("bf16,q8,q4,turbo4,turbo3.5,turbo3,turbo2.5,turbo2,turbo4/turbo3,"
                  "turbo3.5/turbo3,turbo4-prod,turbo4:nowindow,turbo4:naive,turbo3:naive")
@@ -30,10 +30,10 @@ def parse_type(item: str) -> tuple[str, dict]:
     nowindow (no exact recent window), window16/window64 (other window lengths), aids (q8/q4
     baselines get turbo's centring, balancing, sinks and window)."""
     body, _, flag = item.partition(":")
-    k, _, v = body.partition("/")
     if flag not in FLAGS:
         raise TqjaxError(f"unknown flag {flag!r} in {item!r} (choose from: {', '.join(FLAGS)})")
-    return item, {"k": k, "v": v or k, **FLAGS[flag]}
+    k, v = parse_kv(body)
+    return item, {"k": k, "v": v, **FLAGS[flag]}
 
 
 FLAGS = {

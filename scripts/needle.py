@@ -39,13 +39,11 @@ def main() -> int:
 
     import tqjax
     from tqjax.fetch import corpus_text
-    from tqjax.kv.cache import check_spec
+    from tqjax.kv.cache import parse_kv
 
     specs = {}
     for item in args.caches.split(","):
-        k, _, v = item.partition("/")
-        specs[item] = tqjax.CacheSpec(k, v or k)
-        check_spec(specs[item])
+        specs[item] = tqjax.CacheSpec(*parse_kv(item))
     depths = [float(d) for d in args.depths.split(",")]
     model = tqjax.load(args.model)
     filler_ids = model.tokenizer.encode(corpus_text(args.filler), add_bos=False)

@@ -170,7 +170,7 @@ def main() -> int:
     from tqjax.atomic import write_text
     from tqjax.eval import sweep
     from tqjax.fetch import corpus_text
-    from tqjax.kv.cache import check_spec
+    from tqjax.kv.cache import parse_kv
     from tqjax.models.calibration import calibration_corpus, calibration_windows
     from tqjax.models.checkpoint import save_quantized
     from tqjax.models.quantize import WeightSpec, get_path, linear_paths, quantize_params
@@ -185,9 +185,7 @@ def main() -> int:
             raise tqjax.TqjaxError(f"unknown run {r!r} (choose from: {', '.join(RUNS)})")
     kv_spec = None
     if args.kv:
-        k, _, v = args.kv.partition("/")
-        kv_spec = tqjax.CacheSpec(k, v or k)
-        check_spec(kv_spec)
+        kv_spec = tqjax.CacheSpec(*parse_kv(args.kv))
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "models": {}, "rows": []}
 
     def save() -> None:

@@ -26,6 +26,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
+    from tqjax.kv.cache import BASELINES, STORE_FACTORIES
     from tqjax.models.loading import GGUF_WEIGHTS
     from tqjax.models.quantize import METHODS, MIXED
 
@@ -41,14 +42,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="with --weights: also quantize the embedding table and an untied head "
                         "(8-bit TurboQuant)")
-    p.add_argument("--cache-type-k", default=None,
-                   help="KV cache format for keys: f32 (default), bf16, f16, q8, q4, turbo2, "
-                        "turbo2.5, turbo3, turbo3.5, turbo4, turboN-prod; given alone it "
-                        "also sets the values' format")
-    p.add_argument("--cache-type-v", default=None, help="KV cache format for values")
+    types = ", ".join(STORE_FACTORIES)  # every cache type, from the registry
+    p.add_argument("--cache-type-k", default=None, metavar="TYPE",
+                   help=f"KV cache format for keys (default f32; one of: {types}); given "
+                        f"alone it also sets the values' format")
+    p.add_argument("--cache-type-v", default=None, metavar="TYPE",
+                   help="KV cache format for values (same types)")
     p.add_argument("--kv", nargs="?", const=DEFAULT_KV_PRESET, default=None, metavar="K[/V]",
-                   help=f"compressed KV cache shorthand; alone: the default preset "
-                        f"({DEFAULT_KV_PRESET})")
+                   help=f"KV cache shorthand: keys' and values' types (e.g. turbo4/turbo3, "
+                        f"q4_0h); alone: the default preset ({DEFAULT_KV_PRESET})")
     p.add_argument("--backend", default="xla", choices=["xla", "pallas"],
                    help="hot-path implementation: plain XLA or Pallas kernels "
                         "(interpret mode on CPU)")
@@ -68,6 +70,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                             "(a per-layer ring of N fp16 keys and values; default 32, 0 = off)")
     study.add_argument("--kv-boundary-layers", type=int, default=0,
                        help="keep the first and last N layers' cache in q8")
+    study.add_argument("--kv-aids", action="store_true",
+                       help=f"give the baseline caches ({', '.join(BASELINES)}) turbo's aids "
+                            f"too (centring, key balancing, sink slots, recent window), for a "
+                            f"like-for-like comparison")
 
 
 def model_mesh(args: argparse.Namespace) -> object:
@@ -93,17 +99,19 @@ def model_mesh(args: argparse.Namespace) -> object:
 
 def cache_spec(args: argparse.Namespace) -> object:
     """The CacheSpec that --kv / --cache-type-k/v / --kv-* ask for (validated)."""
-    from tqjax.kv.cache import NAIVE, CacheSpec, check_spec
+    from tqjax.kv.cache import NAIVE, CacheSpec, check_spec, parse_kv
 
     k, v = args.cache_type_k, args.cache_type_v
     if args.kv is not None:
-        kv_k, _, kv_v = args.kv.partition("/")
-        k, v = k or kv_k, v or kv_v or kv_k
+        kv_k, kv_v = parse_kv(args.kv)
+        k, v = k or kv_k, v or kv_v
     k = k or v or "f32"
     v = v or k
     options = {"boundary_layers": args.kv_boundary_layers}
     if args.kv_naive:
         options |= NAIVE
+    if args.kv_aids:
+        options["baseline_aids"] = True
     if args.kv_recent is not None:
         options["recent_tokens"] = args.kv_recent
     spec = CacheSpec(k, v, **options)

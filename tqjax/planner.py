@@ -44,7 +44,14 @@ import numpy as np
 from tqjax import fetch
 from tqjax.decode.generate import PAD_MULTIPLE, PREFILL_CHUNK, padded_length
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes, make_cache
+from tqjax.kv.cache import (
+    CacheSpec,
+    Calibration,
+    bytes_per_token,
+    constant_bytes,
+    make_cache,
+    parse_kv,
+)
 from tqjax.models import loading
 from tqjax.models.config import ModelConfig, rope_inv_freq
 from tqjax.models.quantize import LINEARS, METHODS
@@ -215,8 +222,7 @@ def kv_bytes(config: ModelConfig, kv: str, devices: int = 1) -> tuple[float, int
     """(bytes per token per sequence, constant bytes per sequence, constant bytes shared by
     the batch) of a KV preset "K" or "K/V", per device, from real caches of 64 and 128 slots
     at batch 1 and 2."""
-    k, _, v = kv.partition("/")
-    spec = CacheSpec(k, v or k)
+    spec = CacheSpec(*parse_kv(kv))
     # tqjax.sharding splits the KV heads when the tensor size divides them, else replicates
     kvh = config.num_kv_heads // devices if config.num_kv_heads % devices == 0 else \
         config.num_kv_heads
@@ -277,8 +283,7 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int, f32_params: in
          context: int | None) -> PresetPlan:
     """One preset's longest context (and largest batch at `context`) whose predicted peak plus
     `MARGIN` is within `budget`."""
-    k, _, v = kv.partition("/")
-    calib = CacheSpec(k, v or k).needs_calibration
+    calib = CacheSpec(*parse_kv(kv)).needs_calibration
 
     def peak(b: int, c: int) -> int:
         return predict_peak(params, kvb, config, b, c, weights, f32_params, calib)

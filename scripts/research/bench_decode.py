@@ -25,14 +25,14 @@ def main() -> None:
     import tqjax
     from tqjax.decode.generate import decode_step, new_cache
     from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
-    from tqjax.kv.cache import CacheSpec
+    from tqjax.kv.cache import CacheSpec, parse_kv
 
     model = tqjax.load(args.model)
     cfg, sampling = model.config, row_sampling([SamplingParams()])
     runs = {}
     for run in args.runs:
         kind, slots, pos = run.split(":")
-        spec = CacheSpec(*(kind.split("/") * 2)[:2])
+        spec = CacheSpec(*parse_kv(kind))
         cache = new_cache(model.params, cfg, spec, 1, int(slots), model.calibration(spec))
         runs[run] = {"cache": cache, "pos": int(pos), "times": [],
                      "seen": jnp.zeros((1, cfg.vocab_size), bool)}

@@ -21,7 +21,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--kv", default="f32", help="cache type (keys and values)")
+    p.add_argument("--kv", default="f32", metavar="K[/V]", help="cache types (keys[/values])")
     p.add_argument("-n", "--max-new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
@@ -29,9 +29,10 @@ def main() -> None:
     import tqjax
     from tqjax.api import Session
     from tqjax.data import calibration_text
+    from tqjax.kv.cache import parse_kv
 
     model = tqjax.load(args.model)
-    spec = tqjax.CacheSpec(args.kv, args.kv)
+    spec = tqjax.CacheSpec(*parse_kv(args.kv))
     text = " ".join([calibration_text()] * 20)
     ids = model.tokenizer.encode(text, add_bos=False)[: args.system_tokens]
     system = model.tokenizer.decode(ids)

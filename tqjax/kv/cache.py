@@ -473,3 +473,15 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
 
     _, lsum, acc = jax.lax.fori_loop(0, -(-slots // size), maybe_step, (m, lsum, acc))
     return acc / lsum[..., None]
+
+
+def parse_kv(text: str) -> tuple[str, str]:
+    """A "K" or "K/V" cache-type string (e.g. "turbo4", "turbo4/turbo3") -> (key type, value
+    type); "K" alone is both. Raises TqjaxError with one line on an empty, malformed or unknown
+    type (the names are `STORE_FACTORIES`' keys)."""
+    k, _, v = text.strip().partition("/")
+    k, v = k.strip(), v.strip() or k.strip()
+    if not k or "/" in v:
+        raise TqjaxError(f"bad cache types {text!r}: expected K or K/V, e.g. turbo4/turbo3")
+    check_spec(CacheSpec(k, v))
+    return k, v
