@@ -119,6 +119,18 @@ def decode_step(params: Params, config: ModelConfig, cache: KVCache, tokens: jax
     return nxt, cache, seen.at[jnp.arange(nxt.shape[0]), nxt].set(True), keys, logprobs
 
 
+@jax.jit
+def first_tokens(logits: jax.Array, seen: jax.Array, keys: jax.Array, sampling: RowSampling
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first tokens after a prefill: logits f32 [B, V], seen bool [B, V] (the prompts'
+    tokens), keys uint32 [B, 2] -> (next tokens int32 [B], seen updated with them, the rows'
+    next keys). Jitted once per shape: the settings are traced, so a new seed or temperature
+    runs the same program (eager, `sample_rows`' `lax.cond` was traced and compiled afresh on
+    every call, ~0.7 s on CPU)."""
+    nxt, keys = sample_rows(logits, seen, keys, sampling)
+    return nxt, seen.at[jnp.arange(nxt.shape[0]), nxt].set(True), keys
+
+
 @dataclasses.dataclass
 class GenerationResult:
     """One sequence's output and timings (seconds; throughput in tokens/s)."""
@@ -290,8 +302,7 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     logits, cache = prefill(params, config, tokens, lengths, cache, start)
     if on_prefill is not None:
         on_prefill(cache)
-    nxt, keys = sample_rows(logits, jnp.asarray(seen), keys, rows)
-    seen_j = jnp.asarray(seen).at[jnp.arange(batch), nxt].set(True)
+    nxt, seen_j, keys = first_tokens(logits, jnp.asarray(seen), keys, rows)
     nxt_host = np.asarray(nxt)
     prefill_s = time.perf_counter() - t0
     seqs = [_Sequence(len(p), cached=int(c)) for p, c in zip(prompts, start, strict=True)]
