@@ -45,7 +45,7 @@ class Live:
     """A uvicorn server on a free loopback port in a thread."""
 
     def __init__(self, model, spec=CacheSpec(), slots=4, tmp=None, ctx=CTX, max_body=4096,
-                 **kw):
+                 graceful_s=None, **kw):
         from tqjax.serve.engine import Engine
         from tqjax.serve.server import Server, create_app
 
@@ -57,7 +57,8 @@ class Live:
             self.port = s.getsockname()[1]
         self.uv = uvicorn.Server(uvicorn.Config(create_app(self.server, shutdown_grace_s=2),
                                                 host="127.0.0.1", port=self.port,
-                                                log_level="warning"))
+                                                log_level="warning",
+                                                timeout_graceful_shutdown=graceful_s))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         while not self.uv.started:
@@ -295,6 +296,106 @@ def test_disconnect_frees_the_slot(live, monkeypatch):
         time.sleep(0.02)
     assert live.metric("tqjax_kv_slots_in_use") == 0
     assert live.metric("tqjax_generated_tokens") - before < (CTX - 8) / 2  # stopped early
+
+
+def stream_in_thread(url, prompt, n):
+    """Stream a greedy completion on a thread: returns (thread, record) where record gets
+    "chunks" (text pieces as they come), "finish" (the last finish_reason) and "error" (the
+    exception that ended the stream, if any)."""
+    rec = {"chunks": [], "finish": None, "error": None}
+
+    def run():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        rec["chunks"].append(choice["text"])
+                        rec["finish"] = choice["finish_reason"] or rec["finish"]
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            rec["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, rec
+
+
+@pytest.mark.parametrize("graceful_s", [None, 0.5])
+def test_shutdown_finishes_or_cancels_a_running_stream(model, graceful_s):
+    """uvicorn's shutdown (should_exit, as on SIGTERM) during a streamed request: by default
+    the stream runs to its end (the complete greedy text, finish_reason "length") before the
+    engine drains; with a graceful-shutdown timeout shorter than the stream, the request is
+    cancelled and the connection closed (an incomplete body, never a hang). Either way the
+    server thread, the engine thread and the request's slot end within a few seconds."""
+    n, prompt = 40, "Once upon a time"
+    want = offline(model, prompt, n)
+    assert want.finish_reason == "length"  # no EOS: the stream lasts all n steps
+    srv = Live(model, graceful_s=graceful_s)  # the module server's shapes: compiled already
+    real = srv.engine._decode
+
+    def slow():  # 50 ms per step: the stream runs for ~2 s
+        time.sleep(0.05)
+        real()
+
+    srv.engine._decode = slow
+    thread, rec = stream_in_thread(srv.url, prompt, n)
+    t0 = time.time()
+    while not rec["chunks"] and time.time() < t0 + 20:
+        time.sleep(0.01)
+    assert rec["chunks"] and rec["finish"] is None  # streaming, not done
+    srv.uv.should_exit = True
+    t0 = time.time()
+    thread.join(20)
+    srv.thread.join(20)
+    took = time.time() - t0
+    assert not thread.is_alive() and not srv.thread.is_alive() and took < 15
+    assert not srv.engine.thread.is_alive() and not srv.engine.accepting
+    assert all(s.req is None for s in srv.engine.slots)
+    if graceful_s is None:  # finished
+        assert rec["error"] is None and rec["finish"] == "length"
+        assert "".join(rec["chunks"]) == want.text
+    else:  # cancelled: the client sees the body end early (an incomplete chunked body)
+        assert isinstance(rec["error"], httpx.RemoteProtocolError), rec["error"]
+        text = "".join(rec["chunks"])
+        assert rec["finish"] is None and want.text.startswith(text) and text != want.text
+    with pytest.raises(httpx.ConnectError):  # no longer listening
+        get(srv.url + "/health", timeout=2)
+
+
+def test_engine_shutdown_cancels_what_outlasts_the_grace(model):
+    """Engine.shutdown(grace) stops accepting at once, lets a running request go on for the
+    grace period, then cancels it (Finished "cancelled" after some tokens) and stops its
+    thread; a request submitted after is refused."""
+    from tqjax.decode.sampling import SamplingParams
+    from tqjax.serve.engine import Engine, Finished, Request, Token
+
+    engine = Engine(model, slots=4, ctx_size=CTX)  # the module server's shapes
+    real = engine._decode
+
+    def slow():
+        time.sleep(0.05)
+        real()
+
+    engine._decode = slow
+    events, got_one = [], threading.Event()
+
+    def emit(ev):
+        events.append(ev)
+        got_one.set()
+
+    engine.submit(Request(model.tokenizer.encode("Once upon a time"), 100, SamplingParams(),
+                          emit))
+    assert got_one.wait(20)
+    t0 = time.time()
+    engine.shutdown(grace_s=0.5)
+    assert 0.4 < time.time() - t0 < 5 and not engine.thread.is_alive()
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert isinstance(events[-1], Finished) and events[-1].reason == "cancelled"
+    assert 1 < len(tokens) < 100 and events[-1].completion_tokens == len(tokens)
+    with pytest.raises(tqjax.TqjaxError, match="shutting down"):
+        engine.submit(Request([5, 6], 2, SamplingParams(), emit))
 
 
 def test_slot_save_restore_erase(model, live):
