@@ -54,9 +54,12 @@ def new_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(5,))
 def prefill_chunk(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
-                  out_index: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """tokens int32 [B, T] at positions start..start+T-1 -> logits [B, V] at out_index [B]."""
-    return forward(params, config, tokens, start, cache, out_index=out_index)
+                  out_index: jax.Array, cache: KVCache, valid: jax.Array | None = None
+                  ) -> tuple[jax.Array, KVCache]:
+    """tokens int32 [B, T] at positions start..start+T-1 -> logits [B, V] at out_index [B];
+    valid int32 [B]: each row's real (not padding) tokens in the chunk, the ones that enter the
+    recent-token rings (None: all T; `prefill` always passes it, a traced array)."""
+    return forward(params, config, tokens, start, cache, out_index=out_index, valid=valid)
 
 
 def prefill(params: Params, config: ModelConfig, tokens: np.ndarray, lengths: np.ndarray,
@@ -76,9 +79,10 @@ def prefill(params: Params, config: ModelConfig, tokens: np.ndarray, lengths: np
         if part.shape[1] < chunk:
             part = np.pad(part, ((0, 0), (0, chunk - part.shape[1])))
         out_index = np.clip(last - c0, 0, chunk - 1).astype(np.int32)
+        valid = np.clip(np.asarray(lengths) - c0, 0, chunk).astype(np.int32)
         chunk_logits, cache = prefill_chunk(params, config, jnp.asarray(part),
                                             jnp.asarray(start + c0, jnp.int32),
-                                            jnp.asarray(out_index), cache)
+                                            jnp.asarray(out_index), cache, jnp.asarray(valid))
         here = jnp.asarray((last >= c0) & (last < c0 + chunk))[:, None]
         logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
     return logits, cache

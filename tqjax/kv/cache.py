@@ -365,12 +365,17 @@ def _window_candidates(recent: RecentWindow, k: jax.Array, v: jax.Array, start: 
     return keys, values, pos, lo
 
 
-def _write_window(recent: RecentWindow, k: jax.Array, v: jax.Array,
-                  start: jax.Array) -> RecentWindow:
-    """Ring after writing the chunk k/v [B, KV, T, hd] at positions start..start+T-1."""
+def _write_window(recent: RecentWindow, k: jax.Array, v: jax.Array, start: jax.Array,
+                  valid: jax.Array | None = None) -> RecentWindow:
+    """Ring after writing the chunk k/v [B, KV, T, hd] at positions start..start+T-1.
+
+    valid int32 [B]: the real tokens of each row's chunk (default T); only the first valid[b]
+    are written, so a right-padded prefill leaves each row's last real tokens in its ring, not
+    its padding (a row with valid 0 keeps its ring as it was)."""
     n, t = recent.pos.shape[1], k.shape[2]
-    # ring slot r takes the chunk's last token whose position is r modulo n
-    src = t - 1 - jnp.mod(start[:, None] + t - 1 - jnp.arange(n)[None, :], n)  # [B, N]
+    last = t if valid is None else valid[:, None]
+    # ring slot r takes the chunk's last real token whose position is r modulo n
+    src = last - 1 - jnp.mod(start[:, None] + last - 1 - jnp.arange(n)[None, :], n)  # [B, N]
     take, idx = src >= 0, jnp.clip(src, 0)[:, None, :, None]
 
     def put(ring: jax.Array, x: jax.Array) -> jax.Array:
@@ -382,13 +387,16 @@ def _write_window(recent: RecentWindow, k: jax.Array, v: jax.Array,
 
 
 def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
-           start: jax.Array, backend: str | None = None) -> tuple[jax.Array, LayerCache]:
+           start: jax.Array, backend: str | None = None, valid: jax.Array | None = None
+           ) -> tuple[jax.Array, LayerCache]:
     """Write this chunk's keys/values, then causal attention over the cache (its live slots).
 
     q [B, T, H, hd], k/v [B, T, KV, hd] (post-RoPE), start int32 [B]: slot of the chunk's
     first token per sequence. Slot s is visible to query t iff s <= start + t.
     backend: "xla" or "pallas" (decode steps, T == 1, over TurboQuant/dense stores run the
     `tqjax.pallas.turbo_attention` kernel); None = `tqjax.pallas.backend.current()`.
+    valid int32 [B]: real (not padding) tokens of each row's chunk, default T; only those
+    enter the recent-token ring.
     Returns (out [B, T, H, hd] in q's dtype, updated layer).
     """
     b, t, h, hd = q.shape
@@ -401,7 +409,7 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
         wk, wv, wpos, lo = _window_candidates(recent, k, v, start)
         bound = jnp.maximum(qpos - recent.pos.shape[1], lo[:, None] - 1)
         window = (wk, wv, wpos)
-        recent = _write_window(recent, k, v, start)
+        recent = _write_window(recent, k, v, start, valid)
     layer = LayerCache(kvs.write(layer.k, k, start), kvs.write(layer.v, v, start), recent)
     if (t == 1 and resolve_backend(backend) == "pallas"
             and turbo_attention.supported(q.shape, layer.k, layer.v)):

@@ -57,10 +57,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
-                    sin: jax.Array, start: jax.Array, layer_cache: kvc.LayerCache
+                    sin: jax.Array, start: jax.Array, layer_cache: kvc.LayerCache,
+                    valid: jax.Array | None = None
                     ) -> tuple[jax.Array, kvc.LayerCache, jax.Array]:
     """x [B, T, D] (already normed) -> the concatenated head outputs [B, T, H*hd] (the o_proj
-    input), the updated cache and the post-RoPE queries [B, T, H, hd] (used by calibration)."""
+    input), the updated cache and the post-RoPE queries [B, T, H, hd] (used by calibration).
+    valid int32 [B]: real tokens per row (`kvc.attend`)."""
     b, t, _ = x.shape
     hd = config.head_dim
     q, k, v = qw.linear(x, lp.wq), qw.linear(x, lp.wk), qw.linear(x, lp.wv)
@@ -72,7 +74,7 @@ def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax
     if config.qk_norm:
         q, k = rms_norm(q, lp.q_norm, config.rms_eps), rms_norm(k, lp.k_norm, config.rms_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, layer_cache = kvc.attend(layer_cache, q, k, v, start)
+    out, layer_cache = kvc.attend(layer_cache, q, k, v, start, valid=valid)
     return out.reshape(b, t, -1), layer_cache, q
 
 
@@ -93,13 +95,16 @@ def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
             cache: kvc.KVCache, out_index: jax.Array | None = None,
-            queries: list[jax.Array] | None = None) -> tuple[jax.Array, kvc.KVCache]:
+            queries: list[jax.Array] | None = None, valid: jax.Array | None = None
+            ) -> tuple[jax.Array, kvc.KVCache]:
     """Run a chunk of tokens through the model, reading and extending the KV cache.
 
     tokens int32 [B, T]; start int32 [B]: position of tokens[:, 0] per sequence (prefill: 0,
     decode: the current length). Returns f32 logits [B, T, V], or [B, V] taken at
     `out_index` int32 [B] when given, and the updated cache. A `queries` list, if given, is
-    filled with every layer's post-RoPE queries [B, T, H, hd].
+    filled with every layer's post-RoPE queries [B, T, H, hd]. `valid` int32 [B]: the real
+    tokens of each row's chunk (right-padded prefill; default T): only those enter the caches'
+    recent-token rings, so each row's ring ends at its last real token, not in its padding.
     """
     dtype = params.final_norm.dtype
     x = embed_tokens(params.embed, tokens).astype(dtype)
@@ -109,7 +114,8 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     new_layers = []
     for lp, layer_cache in zip(params.layers, cache.layers, strict=True):
         heads, layer_cache, q = attention_heads(
-            lp, config, rms_norm(x, lp.attn_norm, config.rms_eps), cos, sin, start, layer_cache)
+            lp, config, rms_norm(x, lp.attn_norm, config.rms_eps), cos, sin, start, layer_cache,
+            valid)
         if queries is not None:
             queries.append(q)
         x = x + qw.linear(heads, lp.wo)

@@ -156,12 +156,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(5,))
 def prefill_row(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
-                row: jax.Array, cache: KVCache, out_index: jax.Array
+                row: jax.Array, cache: KVCache, out_index: jax.Array, valid: jax.Array
                 ) -> tuple[jax.Array, KVCache]:
     """Prefill one row of the pool: tokens int32 [1, T] at positions start int32 [1].. of row
-    `row` (int32 scalar, traced) -> logits [1, V] at out_index [1], the pool updated in place."""
+    `row` (int32 scalar, traced) -> logits [1, V] at out_index [1], the pool updated in place;
+    valid int32 [1]: the chunk's real tokens (the rest is padding, kept out of the
+    recent-token ring)."""
     one = prompt_cache._take_row(cache, row)
-    logits, one = forward(params, config, tokens, start, one, out_index=out_index)
+    logits, one = forward(params, config, tokens, start, one, out_index=out_index, valid=valid)
     return logits, prompt_cache._put_row(cache, row, one)
 
 
@@ -435,7 +437,8 @@ class Engine:
         tokens[0, : len(part)] = part
         logits, self.cache = prefill_row(
             m.params, m.config, jnp.asarray(tokens), jnp.asarray([c0], jnp.int32),
-            jnp.int32(row), self.cache, jnp.asarray([len(part) - 1], jnp.int32))
+            jnp.int32(row), self.cache, jnp.asarray([len(part) - 1], jnp.int32),
+            jnp.asarray([len(part)], jnp.int32))
         self.stats.prefill_tokens += c0 + len(part) - s.next_pos
         s.next_pos = s.valid = c0 + len(part)
         s.tokens = list(prompt[: s.valid])
