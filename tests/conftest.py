@@ -28,7 +28,7 @@ def _mapped_regions() -> int:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _free_compiled_programs():
+def _free_compiled_programs(request):
     """Drop JAX's compiled programs after each test module. Every XLA CPU executable keeps ~3
     memory mappings for its code; the whole suite in one process compiles enough of them to
     reach Linux's vm.max_map_count (65530), after which a compile's mmap fails and XLA crashes
@@ -38,9 +38,10 @@ def _free_compiled_programs():
 
     import jax
 
+    before = _mapped_regions()
     jax.clear_caches()
     gc.collect()
     log = os.environ.get("TQJAX_TEST_MAPS_LOG")
     if log:
         with open(log, "a") as f:
-            f.write(f"{_mapped_regions()}\n")
+            f.write(f"{request.module.__name__} {before} {_mapped_regions()}\n")
