@@ -14,6 +14,20 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "golden"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-large", action="store_true",
+                     help="also run the tests marked `large` (see pyproject.toml)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if config.getoption("--run-large") or os.environ.get("TQJAX_TEST_LARGE") == "1":
+        return
+    skip = pytest.mark.skip(reason="large model: --run-large or TQJAX_TEST_LARGE=1 runs it")
+    for item in items:
+        if "large" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN
