@@ -161,8 +161,11 @@ def start_server(args: object) -> tuple[subprocess.Popen, str]:
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
-    if args.kv_naive:
-        flags.append("--kv-naive")
+    for name in ("tp", "dp", "kv_boundary_layers"):
+        flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for name in ("kv_naive", "kv_aids", "quantize_embeddings"):
+        if getattr(args, name):
+            flags.append(f"--{name.replace('_', '-')}")
     if args.api_key:
         flags += ["--api-key", args.api_key]
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), *flags],
@@ -207,7 +210,7 @@ def main() -> int:
     result["server"] = "tqjax scripts/serve.py" if proc is not None else "external"
     if proc is not None:
         result |= {"model": str(args.model), "slots": args.slots, "ctx_size": args.ctx_size,
-                   "kv": args.kv or args.cache_type_k or "f32"}
+                   "kv": args.kv or args.cache_type_k or "f32", "tp": args.tp, "dp": args.dp}
     print_json(result)
     if args.out:
         write_json(args.out, result)

@@ -445,3 +445,17 @@ def test_smollm2_system_prompt_reuse_and_equal_greedy_output():
             model, ids, max_new_tokens=8, ctx_size=1536).text
     finally:
         srv.close()
+
+
+def test_serve_command_checks_grace_and_mesh_before_loading():
+    """tqjax-serve refuses a negative --shutdown-grace, and builds the --tp/--dp mesh (here:
+    too few devices, a one-line error) before loading the model."""
+    import jax
+
+    from tqjax.commands import serve
+
+    with pytest.raises(tqjax.TqjaxError, match="--shutdown-grace"):
+        serve.run(["-m", "nowhere", "--shutdown-grace", "-1"])
+    if jax.device_count() < 4:
+        with pytest.raises(tqjax.TqjaxError, match="needs 4 devices"):
+            serve.run(["-m", "nowhere", "--tp", "2", "--dp", "2"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, add_model_args, cache_spec, run_main
+from tqjax.cli import ArgumentParser, add_model_args, cache_spec, model_mesh, run_main
 
 
 def parse_args(argv: list[str] | None = None) -> object:
@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> object:
                    help="directory for POST /slots/{id}?action=save|restore files")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM/Ctrl-C, let running requests finish for up to S seconds, "
+                        "then cancel them (default 10)")
     return p.parse_args(argv)
 
 
@@ -51,13 +54,20 @@ def run(argv: list[str] | None = None) -> int:
         raise tqjax.TqjaxError("--slots must be >= 1 and --max-queue >= 0")
     if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
         raise tqjax.TqjaxError(f"--slot-save-path {args.slot_save_path} is not a directory")
+    if not args.shutdown_grace >= 0:
+        raise tqjax.TqjaxError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    mesh = model_mesh(args)  # --tp/--dp: the model and the slots' cache rows are sharded
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
-                       quantize_embeddings=args.quantize_embeddings, progress=True)
+                       quantize_embeddings=args.quantize_embeddings, progress=True, mesh=mesh)
     engine = Engine(model, spec, slots=args.slots, ctx_size=args.ctx_size,
                     max_queue=args.max_queue, backend=args.backend)
     server = Server(engine, args.alias or Path(str(args.model)).name, api_key=args.api_key,
                     slot_save_path=args.slot_save_path, max_body_bytes=args.max_body_bytes)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    # uvicorn waits up to the grace for open connections (streams), then cancels them; the
+    # engine then drains what is left for up to the grace as well
+    uvicorn.run(create_app(server, shutdown_grace_s=args.shutdown_grace), host=args.host,
+                port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_grace)
     return 0
 
 
