@@ -118,7 +118,8 @@ def test_roofline_arithmetic():
     assert bench["mean_live_length"](1000, 1) == 1003
 
 
-def test_missing_peer_is_a_note():
+def test_missing_peer_is_a_note(monkeypatch):
+    monkeypatch.setenv("LLAMA_BENCH", "/nonexistent/llama-bench")  # no binary fallback either
     bench = runpy.run_module("tqjax.commands.bench")
     bench["PEER_MODULES"]["llamacpp"] = ("no_such_module_tqjax",)
     note = bench["run_peer"]("llamacpp", "x.gguf", 8, 8, 1, 1)
@@ -126,6 +127,30 @@ def test_missing_peer_is_a_note():
     bench["PEER_MODULES"]["llamacpp"] = ("json",)  # installed: the model is checked next
     assert bench["run_peer"]("llamacpp", "/some/dir", 8, 8, 1, 1) == {
         "note": "llama.cpp needs a .gguf model"}
+
+
+def test_llamacpp_peer_runs_llama_bench_when_the_package_is_missing(tmp_path, monkeypatch):
+    """Without llama-cpp-python, the llamacpp peer runs llama.cpp's llama-bench ($LLAMA_BENCH):
+    its command line, the JSON rows it prints read back, a failure as a one-line error."""
+    rows = [{"n_prompt": 8, "n_gen": 0, "avg_ts": 100.0, "build_commit": "abc",
+             "build_number": 7, "type_k": "f16", "type_v": "f16"},
+            {"n_prompt": 0, "n_gen": 4, "avg_ts": 40.0, "samples_ts": [39.0, 41.0],
+             "build_commit": "abc", "build_number": 7, "type_k": "f16", "type_v": "f16"}]
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\ncat <<'J'\n{json.dumps(rows)}\nJ\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLAMA_BENCH", str(fake))
+    bench = runpy.run_module("tqjax.commands.bench")
+    bench["PEER_MODULES"]["llamacpp"] = ("no_such_module_tqjax",)
+    got = bench["run_peer"]("llamacpp", "m.gguf", 8, 8, 4, 2)
+    assert (got["prefill_tok_s"], got["decode_tok_s"], got["decode_ms_per_token"]) == (
+        100.0, 40.0, 25.0)
+    assert got["decode_tok_s_runs"] == [39.0, 41.0] and "abc" in got["version"]
+    args = (tmp_path / "args").read_text().split()
+    assert args[:6] == ["-m", "m.gguf", "-p", "8", "-n", "4"] and args[-4:-2] == ["-r", "2"]
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
+    assert bench["run_peer"]("llamacpp", "m.gguf", 8, 8, 4, 2) == {
+        "error": "error: failed to load model"}
 
 
 def test_sweep_plan_and_skip(tmp_path):

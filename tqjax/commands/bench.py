@@ -25,8 +25,9 @@ Peak RSS is the process's VmHWM (Linux). Peers (`--peers hf,llamacpp`) each run 
 subprocess, on the same model, prompt length, position and decode count: HF transformers (torch,
 f32, all threads; its decode cache is filled to --context with random keys and values) and
 llama.cpp through llama-cpp-python (the same .gguf, all threads; a prompt of --context tokens is
-evaluated, then single-token evals are timed). A peer that is not installed gives a one-line
-note in the JSON.
+evaluated, then single-token evals are timed; without that package, llama.cpp's own
+`llama-bench` from $LLAMA_BENCH or PATH, whose generation starts from an empty cache). A peer
+that is not installed gives a one-line note in the JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -351,6 +353,47 @@ def peer_llamacpp(model_path: str, prompt_tokens: int, context: int, decode_toke
             "n_ctx": llm.n_ctx()}
 
 
+def llama_bench_binary() -> str | None:
+    """llama.cpp's own `llama-bench` ($LLAMA_BENCH, else on PATH), used for the llamacpp peer
+    where the llama-cpp-python package is not installed (it has no wheel for every platform)."""
+    import shutil
+
+    path = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def peer_llama_bench(binary: str, model_path: str, prompt_tokens: int, decode_tokens: int,
+                     repeats: int) -> dict:
+    """llama.cpp's `llama-bench` on the same .gguf, all threads: prompt processing of
+    `prompt_tokens` and generation of `decode_tokens` (from an empty cache: builds without
+    `-d` cannot start the generation at a depth) and the process's peak RSS."""
+    threads = os.cpu_count() or 1
+    cmd = [binary, "-m", model_path, "-p", str(prompt_tokens), "-n", str(decode_tokens),
+           "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True)
+        peak = 0  # VmHWM polled while it runs (getrusage's maxrss counts the forked parent)
+        while proc.poll() is None:
+            peak = max(peak, proc_status_bytes("VmHWM", proc.pid))
+            time.sleep(0.05)
+        code = proc.returncode
+        out_f.seek(0), err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
+    if code:
+        return {"error": last_line(err) or f"llama-bench exit status {code}"}
+    rows = json.loads(out)
+    pp = next(r for r in rows if r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_prompt"] == 0)
+    return {"prefill_tok_s": round(pp["avg_ts"], 2), "decode_tok_s": round(tg["avg_ts"], 2),
+            "decode_ms_per_token": round(1000 / tg["avg_ts"], 3),
+            "decode_tok_s_runs": [round(x, 2) for x in tg.get("samples_ts", [])],
+            "decode_from_position": 0,
+            "version": f"llama.cpp llama-bench {pp.get('build_commit', '?')} "
+                       f"(build {pp.get('build_number', '?')})",
+            "threads": threads, "type_k": pp.get("type_k"), "type_v": pp.get("type_v"),
+            "command": " ".join(cmd), "peak_rss_bytes": peak}
+
+
 def run_peer(name: str, model_path: str, prompt_tokens: int, context: int, decode_tokens: int,
              repeats: int) -> dict:
     """One peer in its own subprocess (so its peak RSS is its own); a missing package or a
@@ -358,6 +401,9 @@ def run_peer(name: str, model_path: str, prompt_tokens: int, context: int, decod
     import importlib.util
 
     missing = [m for m in PEER_MODULES[name] if importlib.util.find_spec(m) is None]
+    binary = llama_bench_binary() if name == "llamacpp" else None
+    if missing and binary and model_path.endswith(".gguf"):
+        return peer_llama_bench(binary, model_path, prompt_tokens, decode_tokens, repeats)
     if missing:
         return {"note": f"not installed: {', '.join(missing)} (pip install -e '.[peers]')"}
     if name == "llamacpp" and not model_path.endswith(".gguf"):
