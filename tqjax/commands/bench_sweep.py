@@ -7,7 +7,8 @@ peak RSS is per configuration), written as one JSON into an output folder.
     python scripts/bench_sweep.py --preset all --dry-run      # list the runs and their commands
 
 Presets (per model):
-  context     decode at 1k, 4k, 8k, 16k (Qwen2.5: also 32704, its 32k positions less the decode)
+  context     decode at 1k, 4k, 8k, 16k (Qwen2.5: also 32704, its 32k positions less the decode;
+              SmolLM2: 1k, 4k and 8128, its 8192 positions less the decode)
               with f32, bf16, turbo4 and turbo4/turbo3 caches; 512-token prompt, dense weights
   slots       a 512-token prompt decoded in a 1k- and a 16k-slot cache (f32 and turbo4): decode
               cost must follow the live context, not the allocation
@@ -44,7 +45,9 @@ QUANTIZE = (sys.executable, "-m", "tqjax.commands.quantize")
 DEFAULT_OUT = ROOT / "results" / "current" / "bench"
 QUICK_OUT = ROOT / "results" / "current" / "bench-quick"
 MODELS = ("smollm2-135m-instruct",)
-CONTEXTS = {"qwen2.5-coder-0.5b-instruct": (1024, 4096, 8192, 16384, 32704)}
+# SmolLM2-135M has 8192 positions: its longest context leaves room for the decode (no 16k)
+CONTEXTS = {"qwen2.5-coder-0.5b-instruct": (1024, 4096, 8192, 16384, 32704),
+            "smollm2-135m-instruct": (1024, 4096, 8128)}
 DEFAULT_CONTEXTS = (1024, 4096, 8192, 16384)
 CACHES = ("f32", "bf16", "turbo4", "turbo4/turbo3")
 WEIGHTS = (("none", None), ("int8", None), ("tq4", None), ("mixed", 4.25), ("gguf", None))
