@@ -58,6 +58,24 @@ def main() -> None:
         print(json.dumps({"what": "layer attention", "spec": name, "slots": s,
                           "ms": round(ms, 3)}), flush=True)
 
+    # the centred keys' ⟨q, R_p μ⟩ over all blocks: factored table vs rotated centres
+    from tqjax.kv.quantized import _centre_at, _centre_scores
+
+    store = new_cache(model.params, cfg, specs["turbo4"], 1, s,
+                      model.calibration(specs["turbo4"])).layers[args.layer].k
+    size = min(512, s)
+    centre_forms = {
+        "factored": lambda st, q, lo: _centre_scores(st, q, lo, size),
+        "rotated centres": lambda st, q, lo: jnp.einsum(
+            "bknd,skd->bkns", q, _centre_at(st, lo + jnp.arange(size)))}
+    for name, f in centre_forms.items():
+        def over_blocks(st: object, q: jax.Array, f: object = f) -> jax.Array:
+            body = lambda i, acc: acc + jnp.sum(f(st, q, i * size))  # noqa: E731
+            return jax.lax.fori_loop(0, s // size, body, 0.0)
+        ms = 1000 * _time(jax.jit(over_blocks), store, q)
+        print(json.dumps({"what": "centre scores, all blocks", "form": name, "slots": s,
+                          "ms": round(ms, 3)}), flush=True)
+
     quant = make_quantizer(hd, 4, seed=0)
     codes, _ = quantize(quant, x)
     packed = jnp.asarray(codes[..., ::2] | (codes[..., 1::2] << 4))
