@@ -112,7 +112,9 @@ async def run(args: object, url: str) -> dict:
     sem = asyncio.Semaphore(args.clients)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model_id = args.model_id or Path(str(args.model)).name
-    limits = httpx.Limits(max_connections=args.clients + 4)
+    # a fresh connection per request: servers close idle keep-alive connections on their own
+    # schedule (llama-server after 5 s), and a reused closed one fails the request
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         async def client_task(i: int, delay: float) -> dict:
             await asyncio.sleep(delay)
