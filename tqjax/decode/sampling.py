@@ -102,11 +102,13 @@ def _draw(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:
     return jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+@jax.jit
 def sample_rows(logits: jax.Array, seen: jax.Array, keys: jax.Array, rs: RowSampling
                 ) -> tuple[jax.Array, jax.Array]:
     """logits f32 [B, V], seen bool [B, V] (tokens in context), keys uint32 [B, 2] ->
     (next token ids int32 [B], the rows' next keys [B, 2]). Rows with temperature 0 get the
-    argmax of the penalised logits, bit for bit."""
+    argmax of the penalised logits, bit for bit. Jitted, so an eager call compiles once per
+    shape (its `lax.cond` would otherwise be traced and compiled again at every call)."""
     logits = apply_repeat_penalty(logits, seen & (rs.repeat_penalty[:, None] != 1.0),
                                   rs.repeat_penalty[:, None])
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
