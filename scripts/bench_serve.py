@@ -203,13 +203,21 @@ def main() -> int:
 
         try:
             result = asyncio.run(run(args, url))
+            models = httpx.get(url + "/v1/models", timeout=10)  # the server's own identity
+            served = models.json() if models.status_code == 200 else None
         except httpx.HTTPError as e:
             raise TqjaxError(f"cannot reach {url}: {e}") from None
+        except ValueError:
+            served = None
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+    from tqjax.commands.provenance import git_info, machine_info
+
     result["server"] = "tqjax scripts/serve.py" if proc is not None else "external"
+    result |= {"served_models": served, "load_average": os.getloadavg(),
+               **git_info(Path(__file__).resolve().parent.parent), "machine": machine_info()}
     if proc is not None:
         result |= {"model": str(args.model), "slots": args.slots, "ctx_size": args.ctx_size,
                    "kv": args.kv or args.cache_type_k or "f32", "tp": args.tp, "dp": args.dp}
