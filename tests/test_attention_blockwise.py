@@ -67,6 +67,34 @@ def test_blockwise_equals_softmax_on_reconstruction(spec, monkeypatch):
         np.testing.assert_allclose(np.asarray(out), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("name", ["f32", "turbo4"])
+def test_decode_in_large_then_small_blocks(name, monkeypatch):
+    """Decode rows take DECODE_BLOCK-slot steps over the live length rounded to large blocks,
+    then BLOCK-slot steps (the last overlapping the one before): blocks of 32 then 8 over 72
+    slots, the longest row at positions in the first large block, on a boundary, with a tail
+    rounded up to a large block and past the last whole one; each equals softmax attention
+    over the reconstruction."""
+    monkeypatch.setattr(kvc, "BLOCK", 8)
+    monkeypatch.setattr(kvc, "DECODE_BLOCK", 32)
+    rng = np.random.default_rng(7)
+    spec = CacheSpec(name, name, recent_tokens=0)
+    layer = make_cache(spec, batch=B, slots=S, num_layers=1, kv_heads=KV, head_dim=HD,
+                       calibration=random_calibration(rng), inv_freq=INV_FREQ).layers[0]
+    k = jnp.asarray(rng.normal(size=(B, S, KV, HD)) * 2 + 1, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, S, KV, HD)), jnp.float32)
+    zero = jnp.zeros(B, jnp.int32)
+    layer = kvc.LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), zero),
+                           kvs.write(layer.v, v.transpose(0, 2, 1, 3), zero))
+    for pos in ([20, 31], [31, 63], [40, 70], [55, 10], [71, 5]):
+        pos = jnp.asarray(pos, jnp.int32)
+        q = jnp.asarray(rng.normal(size=(B, 1, KV * G, HD)), jnp.float32)
+        rows = jnp.arange(B)
+        out, _ = attend(layer, q, k[rows, pos][:, None], v[rows, pos][:, None], pos,
+                        backend="xla")
+        want = reference(q, materialize(layer.k), materialize(layer.v), pos)
+        np.testing.assert_allclose(np.asarray(out), want, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("block", [8, 16, 512])
 def test_blockwise_with_recent_window(block, monkeypatch):
     """turbo3 K/V, an 8-token exact window and 2 sink slots, at several block sizes."""

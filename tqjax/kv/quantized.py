@@ -41,6 +41,7 @@ from tqjax.quant.turboquant import (
 )
 
 SCALE_DTYPE = jnp.float16
+CENTRE_INNER = 64  # slots per inner factor of the centred keys' score table (`_centre_scores`)
 
 
 # ---------------------------------------------------------------- symmetric int8 in groups
@@ -230,11 +231,14 @@ def _centre_scores(store: Aided, q: jax.Array, first: jax.Array | int, size: int
     a, b = q1 * mu1 + q2 * mu2, q2 * mu1 - q1 * mu2  # [B, KV, N, hd/2]
     c0, s0 = rope_cos_sin(jnp.asarray(first), store.inv_freq)  # [hd/2]
     a, b = a * c0 + b * s0, b * c0 - a * s0
-    inner = math.gcd(size, 32)
+    inner = math.gcd(size, CENTRE_INNER)
     cu, su = rope_cos_sin(jnp.arange(0, size, inner), store.inv_freq)  # [U, hd/2]
     cv, sv = rope_cos_sin(jnp.arange(inner), store.inv_freq)  # [V, hd/2]
-    au = a[..., None, :] * cu + b[..., None, :] * su  # [B, KV, N, U, hd/2]
-    bu = b[..., None, :] * cu - a[..., None, :] * su
+    # (a, b) rotated by uθ as dots over a pair axis, not broadcast products: XLA would fuse
+    # cos/sin into a product and evaluate them once per [B, KV, N, U, hd/2] element
+    cs = jnp.stack([cu, su]).transpose(2, 0, 1)  # [hd/2, 2, U]
+    au = jnp.einsum("bknic,icu->bknui", jnp.stack([a, b], -1), cs)  # [B, KV, N, U, hd/2]
+    bu = jnp.einsum("bknic,icu->bknui", jnp.stack([b, -a], -1), cs)
     s = jnp.einsum("bknui,vi->bknuv", au, cv) + jnp.einsum("bknui,vi->bknuv", bu, sv)
     return s.reshape(*s.shape[:3], size)
 
@@ -484,6 +488,14 @@ def _(store: AidedStore, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
 
 
 Aided = TurboStore | AidedStore  # the stores that carry the aids' fields
+
+
+def _split_sink(store: Aided) -> tuple[int, Aided]:
+    return (0, store) if store.sink is None else (store.sink.shape[2], store.replace(sink=None))
+
+
+kvs.split_sink.register(TurboStore, _split_sink)
+kvs.split_sink.register(AidedStore, _split_sink)
 
 
 def materialize(store: object) -> jax.Array:

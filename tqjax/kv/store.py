@@ -9,6 +9,8 @@ implements four pure functions, dispatched on the store type:
 - `scores(store, q, first)`: q [B, KV, N, hd] -> q·k for every slot, f32 [B, KV, N, S], where
   the store's slot i is cache slot first + i (a `block`; 0 for a whole store).
 - `mix(store, p, first)`: p f32 [B, KV, N, S] -> sum_s p[s] v[s], f32 [B, KV, N, hd].
+- `split_sink(store)` (optional): (n, the store without its n exact first slots), so that
+  attention scores those slots once and the other blocks without a per-block select.
 
 Attention (`tqjax.kv.cache.attend`) walks the live slots one `block` at a time, so `scores` and
 `mix` only ever see one block: no store builds a dequantized copy of the whole cache.
@@ -65,6 +67,14 @@ def scores(store: object, q: jax.Array, first: jax.Array | int = 0) -> jax.Array
 @functools.singledispatch
 def mix(store: object, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     raise TypeError(f"no KV store implementation for {type(store).__name__}")
+
+
+@functools.singledispatch
+def split_sink(store: object) -> tuple[int, object]:
+    """(n, store'): the store's first n slots are kept exact (`scores`/`mix` of a block from
+    slot 0 use them); store' is the same store without them, for blocks that attention masks
+    below slot n. Stores without exact slots: (0, store)."""
+    return 0, store
 
 
 @write.register
