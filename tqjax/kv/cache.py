@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from tqjax.dtypes import DTYPES, SHORT_NAMES
 from tqjax.errors import TqjaxError
 from tqjax.kv import store as kvs
 from tqjax.kv.quantized import (
@@ -45,7 +46,7 @@ from tqjax.pallas import turbo_attention
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.quant.turboquant import make_prod_quantizer, make_split_quantizer
 
-DENSE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+DENSE_DTYPES = {short: DTYPES[full] for short, full in SHORT_NAMES.items()}
 BLOCK = 512  # cache slots per step of the XLA attention loop
 # a few query rows (decode) first take steps of DECODE_BLOCK slots over the whole ones inside
 # the live length, then BLOCK-sized steps for the rest: on this 2-core CPU an 8k-slot decode
@@ -448,33 +449,50 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
     b, kvh, n, hd = q.shape
     scale = 1.0 / hd**0.5
     slots = jax.tree_util.tree_leaves(k_store)[0].shape[2]
-    if window is None:  # start from an empty softmax partial
-        m = jnp.full((b, kvh, n), NEG, jnp.float32)
-        lsum = jnp.zeros((b, kvh, n), jnp.float32)
-        acc = jnp.zeros((b, kvh, n, hd), jnp.float32)
-    else:  # the exact recent rows are the first partial
-        wk, wv, wpos = window
-        near = ((wpos[:, None, :] > bound[:, :, None]) & (wpos[:, None, :] <= qpos[:, :, None])
-                & (wpos[:, None, :] >= 0))[:, None]  # [B, 1, N, W]
-        sw = jnp.einsum("bknd,bkwd->bknw", q.astype(jnp.float32), wk) * scale
-        sw = jnp.where(near, sw, NEG)
-        m = jnp.max(sw, axis=-1)
-        pw = jnp.where(near, jnp.exp(sw - m[..., None]), 0.0)
-        lsum, acc = jnp.sum(pw, axis=-1), jnp.einsum("bknw,bkwd->bknd", pw, wv)
+    qf = q.astype(jnp.float32)
 
-    def fold(carry: tuple[jax.Array, ...], k_part: object, v_part: object, lo: jax.Array,
-             size: int, visible: jax.Array) -> tuple[jax.Array, ...]:
-        """Fold the stores' slots lo .. lo + size - 1 (visible bool [B, 1, N, size]) into the
-        partial softmax `carry`."""
+    def update(carry: tuple[jax.Array, ...], s: jax.Array, visible: jax.Array,
+               mix: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
+        """Fold scores s f32 [B, KV, N, W] (visible bool [B, 1, N, W]) and their values'
+        Σ p·v (`mix` of p) into the partial softmax `carry` (m, lsum, acc)."""
         m, lsum, acc = carry
-        s = kvs.scores(kvs.block(k_part, lo, size), q, lo) * scale  # [B, KV, N, size]
-        s = jnp.where(visible, s, NEG)
+        s = jnp.where(visible, s * scale, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-        lsum = lsum * correction + jnp.sum(p, axis=-1)
-        acc = acc * correction[..., None] + kvs.mix(kvs.block(v_part, lo, size), p, lo)
-        return m_new, lsum, acc
+        return (m_new, lsum * correction + jnp.sum(p, axis=-1),
+                acc * correction[..., None] + mix(p))
+
+    def fold_rows(carry: tuple[jax.Array, ...], keys: jax.Array, values: jax.Array,
+                  visible: jax.Array) -> tuple[jax.Array, ...]:
+        """Fold exact rows keys/values [B, KV, W, hd] (visible [B, 1, N, W]) into `carry`."""
+        s = jnp.einsum("bknd,bkwd->bknw", qf, keys.astype(jnp.float32))
+        return update(carry, s, visible,
+                      lambda p: jnp.einsum("bknw,bkwd->bknd", p, values.astype(jnp.float32)))
+
+    def fold(carry: tuple[jax.Array, ...], lo: jax.Array, size: int,
+             visible: jax.Array) -> tuple[jax.Array, ...]:
+        """Fold the stores' slots lo .. lo + size - 1 (visible [B, 1, N, size]) into `carry`."""
+        s = kvs.scores(kvs.block(k_rest, lo, size), q, lo)  # [B, KV, N, size]
+        return update(carry, s, visible, lambda p: kvs.mix(kvs.block(v_rest, lo, size), p, lo))
+
+    carry = (jnp.full((b, kvh, n), NEG, jnp.float32), jnp.zeros((b, kvh, n), jnp.float32),
+             jnp.zeros((b, kvh, n, hd), jnp.float32))  # an empty softmax partial
+    if window is not None:  # the exact recent rows at positions in (bound, qpos]
+        wk, wv, wpos = window
+        near = ((wpos[:, None, :] > bound[:, :, None]) & (wpos[:, None, :] <= qpos[:, :, None])
+                & (wpos[:, None, :] >= 0))[:, None]  # [B, 1, N, W]
+        carry = fold_rows(carry, wk, wv, near)
+    # stores that keep their first slots exact (sinks, both keys and values): those rows are
+    # folded in once, and the blocks run on the stores without them (no per-block select)
+    (k_rows, k_rest), (v_rows, v_rest) = kvs.split_sink(k_store), kvs.split_sink(v_store)
+    head = 0
+    if k_rows is not None and v_rows is not None and k_rows.shape == v_rows.shape:
+        head = k_rows.shape[2]
+        idx = jnp.arange(head)
+        carry = fold_rows(carry, k_rows, v_rows, (idx[None, None, :] <= bound[:, :, None])[:, None])
+    else:
+        k_rest, v_rest = k_store, v_store
 
     def blocks(carry: tuple[jax.Array, ...], first: jax.Array, count: jax.Array, size: int,
                most: int) -> tuple[jax.Array, ...]:
@@ -487,7 +505,7 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
             idx = lo + jnp.arange(size)  # [size] cache slots of this block
             visible = ((idx[None, None, :] >= nominal) & (idx[None, None, :] <= bound[:, :, None])
                        )[:, None]  # [B, 1, N, size]
-            return fold(carry, k_rest, v_rest, lo, size, visible)
+            return fold(carry, lo, size, visible)
 
         def maybe_step(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             # blocks past the live length are skipped; a static trip count keeps the loop a
@@ -496,15 +514,7 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
 
         return jax.lax.fori_loop(0, most, maybe_step, carry)
 
-    carry, first = (m, lsum, acc), jnp.int32(0)
-    # a store's exact sink slots are folded in once, as one small block, so that the blocks'
-    # scores and mixes run on stores without them (no per-block sink select)
-    (nk, k_rest), (nv, v_rest) = kvs.split_sink(k_store), kvs.split_sink(v_store)
-    head = min(max(nk, nv), slots)
-    if head:
-        idx = jnp.arange(head)
-        carry = fold(carry, k_store, v_store, jnp.int32(0), head,
-                     (idx[None, None, :] <= bound[:, :, None])[:, None])
+    first = jnp.int32(0)
     live = jnp.max(bound) + 1  # slots any row can see
     size = attention_block(slots)
     most = -(-slots // size)

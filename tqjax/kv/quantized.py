@@ -38,6 +38,7 @@ from tqjax.quant.turboquant import (
     dequantize_rotated,
     quantize,
     quantize_prod,
+    segments,
 )
 
 SCALE_DTYPE = jnp.float16
@@ -186,23 +187,17 @@ class TurboStore:
     qjl_norm: jax.Array | None = None  # [B, KV, S] f16 residual norms ‖r‖
 
 
-def segments(q: TurboQuantizer) -> list[tuple[int, int, int]]:
-    """(first channel, channel count, bits) of each packed segment of a (split) quantizer."""
-    if q.hi_channels:
-        return [(0, q.hi_channels, q.bits + 1), (q.hi_channels, q.dim - q.hi_channels, q.bits)]
-    return [(0, q.dim, q.bits)]
-
-
 def pack_codes(q: TurboQuantizer, codes: jax.Array) -> jax.Array:
     """codes uint8 [..., dim] -> packed uint8 [..., bytes], segment by segment."""
-    return jnp.concatenate([pack_bits(codes[..., a:a + n], b) for a, n, b in segments(q)], -1)
+    return jnp.concatenate([pack_bits(codes[..., seg.channels], seg.bits)
+                            for seg in segments(q)], -1)
 
 
 def unpack_codes(q: TurboQuantizer, packed: jax.Array) -> jax.Array:
     parts, offset = [], 0
-    for _, n, b in segments(q):
-        size = n * b // 8
-        parts.append(unpack_bits(packed[..., offset:offset + size], b, n))
+    for seg in segments(q):
+        size = seg.count * seg.bits // 8
+        parts.append(unpack_bits(packed[..., offset:offset + size], seg.bits, seg.count))
         offset += size
     return jnp.concatenate(parts, -1)
 
@@ -490,8 +485,8 @@ def _(store: AidedStore, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
 Aided = TurboStore | AidedStore  # the stores that carry the aids' fields
 
 
-def _split_sink(store: Aided) -> tuple[int, Aided]:
-    return (0, store) if store.sink is None else (store.sink.shape[2], store.replace(sink=None))
+def _split_sink(store: Aided) -> tuple[jax.Array | None, Aided]:
+    return (None, store) if store.sink is None else (store.sink, store.replace(sink=None))
 
 
 kvs.split_sink.register(TurboStore, _split_sink)

@@ -9,8 +9,8 @@ implements four pure functions, dispatched on the store type:
 - `scores(store, q, first)`: q [B, KV, N, hd] -> q·k for every slot, f32 [B, KV, N, S], where
   the store's slot i is cache slot first + i (a `block`; 0 for a whole store).
 - `mix(store, p, first)`: p f32 [B, KV, N, S] -> sum_s p[s] v[s], f32 [B, KV, N, hd].
-- `split_sink(store)` (optional): (n, the store without its n exact first slots), so that
-  attention scores those slots once and the other blocks without a per-block select.
+- `split_sink(store)` (optional): (the exact rows of its first slots, the store without
+  them), so that attention folds those rows in once and scores the blocks without a select.
 
 Attention (`tqjax.kv.cache.attend`) walks the live slots one `block` at a time, so `scores` and
 `mix` only ever see one block: no store builds a dequantized copy of the whole cache.
@@ -70,11 +70,11 @@ def mix(store: object, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
 
 
 @functools.singledispatch
-def split_sink(store: object) -> tuple[int, object]:
-    """(n, store'): the store's first n slots are kept exact (`scores`/`mix` of a block from
-    slot 0 use them); store' is the same store without them, for blocks that attention masks
-    below slot n. Stores without exact slots: (0, store)."""
-    return 0, store
+def split_sink(store: object) -> tuple[jax.Array | None, object]:
+    """(rows, store'): the exact rows [B, KV, n, hd] the store keeps for its first n slots
+    (which its `scores`/`mix` use there), and the same store without them, for blocks that
+    attention masks below slot n. Stores without exact slots: (None, store)."""
+    return None, store
 
 
 @write.register
