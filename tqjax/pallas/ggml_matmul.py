@@ -20,7 +20,6 @@ Split-K partials come back as f32 [splits, M, N] and are summed in plain JAX.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Protocol
 
 import jax
@@ -235,8 +234,3 @@ def ggml_matmul(x: jax.Array, w: BlockWeight, *, interpret: bool | None = None,
         tiling = choose_tiling(x.shape[0], w.in_features // block, w.out_features)
     interpret = default_interpret() if interpret is None else interpret
     return _ggml_matmul(x, w, interpret, tiling)
-
-
-def weight_bytes(w: BlockWeight) -> int:
-    """Bytes a ggml_matmul call reads for w (the blocks)."""
-    return math.prod(w.data.shape)

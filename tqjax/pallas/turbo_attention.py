@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from tqjax.errors import TqjaxError
 from tqjax.pallas.backend import default_interpret
 from tqjax.quant.rotation import rotate, unrotate
-from tqjax.quant.turboquant import TurboQuantizer
+from tqjax.quant.turboquant import TurboQuantizer, segments
 
 NEG = -1e30  # masked score; finite so that exp(NEG − m) is 0 without inf − inf
 Window = tuple[jax.Array, jax.Array, jax.Array]  # exact recent keys, values, positions
@@ -78,15 +78,9 @@ class Layout:
     n_bytes: int = 0
 
 
-def _segments(q: TurboQuantizer) -> tuple[tuple[int, int, int], ...]:
-    if q.hi_channels:
-        return ((0, q.hi_channels, q.bits + 1), (q.hi_channels, q.dim - q.hi_channels, q.bits))
-    return ((0, q.dim, q.bits),)
-
-
 def _table(q: TurboQuantizer) -> jax.Array:
     """All centroid tables, segment by segment, f32 [Σ 2^bits]."""
-    return q.centroids if not q.hi_channels else jnp.concatenate([q.hi_centroids, q.centroids])
+    return jnp.concatenate([seg.centroids for seg in segments(q)])
 
 
 def _channel_plan(layout: Layout, hd: int) -> tuple[jax.Array, ...]:
@@ -179,7 +173,8 @@ def _prefix(store: TurboLike | DenseLike, n: int) -> jax.Array:
 
 def _operand(store: TurboLike | DenseLike) -> tuple[Layout, tuple[jax.Array, ...]]:
     if hasattr(store, "quantizer"):
-        layout = Layout(_segments(store.quantizer), store.packed.shape[-1])
+        parts = tuple((seg.first, seg.count, seg.bits) for seg in segments(store.quantizer))
+        layout = Layout(parts, store.packed.shape[-1])
         return layout, (store.packed, store.scale, _table(store.quantizer))
     return Layout(None), (store.data,)
 

@@ -24,6 +24,7 @@ x̂_mse + (√(π/2)/d)·‖r‖·Sᵀ(2·signs − 1), unbiased over the draw o
 """
 
 import math
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -123,11 +124,28 @@ def make_prod_quantizer(dim: int, bits: int, seed: int = 0) -> ProdQuantizer:
     return ProdQuantizer(mse=mse, qjl=jnp.asarray(qjl, dtype=jnp.float32))
 
 
-def _segments(q: TurboQuantizer) -> list[tuple[slice, jax.Array, jax.Array]]:
-    """(rotated channels, centroids, boundaries) for each group of channels sharing a codebook."""
-    rest = (slice(q.hi_channels, q.dim), q.centroids, q.boundaries)
+class Segment(NamedTuple):
+    """Rotated channels first .. first + count - 1 sharing one codebook of 2^bits centroids."""
+
+    first: int
+    count: int
+    bits: int
+    centroids: jax.Array  # [2^bits] f32 ascending
+    boundaries: jax.Array  # [2^bits - 1] f32 decision thresholds
+
+    @property
+    def channels(self) -> slice:
+        return slice(self.first, self.first + self.count)
+
+
+def segments(q: TurboQuantizer) -> list[Segment]:
+    """The channel groups of a (split) quantizer, in channel and packing order: the first
+    `hi_channels` rotated channels at bits + 1, the rest at bits (one group when
+    hi_channels = 0). The one description of the layout that packing, the cache stores and
+    the Pallas kernel read."""
+    rest = Segment(q.hi_channels, q.dim - q.hi_channels, q.bits, q.centroids, q.boundaries)
     if q.hi_channels:
-        return [(slice(0, q.hi_channels), q.hi_centroids, q.hi_boundaries), rest]
+        return [Segment(0, q.hi_channels, q.bits + 1, q.hi_centroids, q.hi_boundaries), rest]
     return [rest]
 
 
@@ -137,8 +155,8 @@ def _centroids(q: TurboQuantizer, codes: jax.Array) -> jax.Array:
         raise TqjaxError(f"codes of shape {codes.shape} do not match a quantizer of dim {q.dim}")
     # clip mode: codes are in range by construction, and XLA:CPU runs a clipped gather ~1.5x
     # faster than the default fill mode's bounds-checked one (scripts/research/bench_turbo_block.py)
-    parts = [jnp.take(table, codes[..., channels], axis=0, mode="clip")
-             for channels, table, _ in _segments(q)]
+    parts = [jnp.take(seg.centroids, codes[..., seg.channels], axis=0, mode="clip")
+             for seg in segments(q)]
     return jnp.concatenate(parts, axis=-1)
 
 
@@ -156,8 +174,8 @@ def quantize(q: TurboQuantizer, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     y = rotate(x, q.rotation) * inv[..., None]
     codes = jnp.concatenate(
         [
-            jnp.sum(y[..., channels, None] > bounds, axis=-1, dtype=jnp.uint8)
-            for channels, _, bounds in _segments(q)
+            jnp.sum(y[..., seg.channels, None] > seg.boundaries, axis=-1, dtype=jnp.uint8)
+            for seg in segments(q)
         ],
         axis=-1,
     )
