@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tqjax.dtypes import DTYPES
 from tqjax.errors import TqjaxError
 
 EXIT_USAGE = 2
@@ -33,7 +34,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"model name ({', '.join(MODEL_NAMES)}), HF directory or .gguf file "
                         f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="parameter and compute dtype (default float32: fastest on CPU)")
     p.add_argument("--weights", default=None, choices=[*METHODS, MIXED, GGUF_WEIGHTS],
                    help="quantize the weights on the fly (see scripts/quantize.py to save them); "

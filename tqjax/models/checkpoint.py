@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax.atomic import replace_dir
+from tqjax.dtypes import DTYPES
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
 from tqjax.models.config import GGUF_ARCHITECTURES, ModelConfig, RopeScaling
@@ -52,7 +53,7 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", TOKENIZER_CONFIG,
                       "special_tokens_map.json", "chat_template.jinja")
-DENSE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DENSE_DTYPES = DTYPES  # the dense parameters' types a checkpoint may store
 QUANTIZED_PARTS = (".packed", ".scale", ".offset")  # tensor-name suffixes of a QuantizedLinear
 
 

@@ -25,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from tqjax.dtypes import DTYPES
 from tqjax.errors import TqjaxError
 from tqjax.models import checkpoint
 from tqjax.models.checkpoint import SafetensorsFile, host_buffer, read_file_bytes
 from tqjax.models.config import ModelConfig, config_from_gguf, config_from_hf, rope_inv_freq
 from tqjax.models.transformer import LayerParams, Params
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 GGUF_WEIGHTS = "gguf"  # the weights mode that keeps a GGUF file's quantized blocks
 
 GGUF_LAYER_NAMES = {
@@ -59,7 +59,8 @@ GGUF_GLOBAL_NAMES = {
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
-    if name not in DTYPES:
+    """A full dtype name ("float32", "bfloat16", "float16") -> the JAX dtype."""
+    if name not in DTYPES:  # (the cache types' short names are not parameter dtypes)
         raise TqjaxError(f"unknown dtype {name!r} (choose from: {', '.join(DTYPES)})")
     return DTYPES[name]
 
