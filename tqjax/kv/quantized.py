@@ -30,7 +30,7 @@ from flax import struct
 
 from tqjax.kv import store as kvs
 from tqjax.kv.rope import apply_rope, rope_cos_sin
-from tqjax.quant.packing import pack_bits, unpack_bits
+from tqjax.quant.packing import pack_bits, packed_size, unpack_bits
 from tqjax.quant.rotation import hadamard_transform, rotate, unrotate
 from tqjax.quant.turboquant import (
     ProdQuantizer,
@@ -196,7 +196,7 @@ def pack_codes(q: TurboQuantizer, codes: jax.Array) -> jax.Array:
 def unpack_codes(q: TurboQuantizer, packed: jax.Array) -> jax.Array:
     parts, offset = [], 0
     for seg in segments(q):
-        size = seg.count * seg.bits // 8
+        size = packed_size(seg.count, seg.bits)
         parts.append(unpack_bits(packed[..., offset:offset + size], seg.bits, seg.count))
         offset += size
     return jnp.concatenate(parts, -1)
