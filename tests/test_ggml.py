@@ -72,6 +72,19 @@ def test_linear_matches_dequantized_reference(name, rows):
     np.testing.assert_allclose(half.astype(np.float32), ref, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_fused_decode_cut_into_runs_matches_reference(name, monkeypatch):
+    # three runs of whole blocks per row, summed across the reduce_precision barrier
+    n, k = 24, 768
+    monkeypatch.setattr(ggml, "FUSED_K", 256)
+    raw = random_blocks(name, n, k)
+    w = ggml.from_gguf(raw, T[name], (n, k))
+    x = RNG.normal(size=(3, k)).astype(np.float32)
+    ref = x @ gguf_dequantize(raw, T[name]).T.astype(np.float64)
+    got = np.asarray(jax.jit(ggml._linear_fused)(jnp.asarray(x), w))
+    np.testing.assert_allclose(got, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
 def test_permute_rows_moves_whole_rows():
     raw = random_blocks("Q4_K", 8, 256)
     perm = unpermute_rope_rows(np.arange(8), 2)  # llama's Q/K un-permutation of 2 heads

@@ -8,6 +8,13 @@ shows up there).
 
     python scripts/research/bench_linear.py                      # every shape, M = 1 and 512
     python scripts/research/bench_linear.py --m 1 --formats tq4 int8 --shapes smol
+    python scripts/research/bench_linear.py --ggml      # GGUF blocks at M = 1: decode forms
+
+`--ggml` times the GGUF block formats (`tqjax.quant.ggml`) on the real models' shapes and types
+at M = 1: the f32 dot of a dense weight, decode-then-dot (`_linear_tiled`, the M > FUSED_ROWS
+path) and the decode fused into vector-matrix dots (`_linear_fused`, the decode path), plus,
+for an int8 weight stored [out, in] (input minor, as GGUF stores rows), the same fused dot:
+the layout a QuantizedLinear would need to take that path (it is stored [in, out]).
 """
 
 from __future__ import annotations
@@ -210,6 +217,57 @@ def _applies(form: str, w: qw.QuantizedLinear) -> bool:
     return True
 
 
+GGML_CASES = (  # (in, out, type): SmolLM2 (Q4_1, Q8_0 head), Qwen2.5-Coder 0.5B / 1.5B (Q4_K_M)
+    (576, 1536, "Q4_1"), (1536, 576, "Q4_1"), (576, 49152, "Q8_0"), (896, 4864, "Q5_0"),
+    (4864, 896, "Q4_K"), (4864, 896, "Q6_K"), (896, 151936, "Q8_0"), (1536, 8960, "Q4_K"),
+    (8960, 1536, "Q6_K"), (1536, 1536, "Q4_K"))
+
+
+def ggml_main(repeats: int, as_json: bool) -> int:
+    """Time the GGUF forms at M = 1 (see the module docstring); rows as in `main`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from tqjax.quant import ggml
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, n, tname in GGML_CASES:
+        t = GGMLQuantizationType[tname]
+        block, size = GGML_QUANT_SIZES[t]
+        data = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
+        w = ggml.GGMLLinear(data=jnp.asarray(data), ggml_type=int(t), in_features=k)
+        x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
+        dense = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        int8_nk = jnp.asarray(rng.integers(-127, 128, (n, k), dtype=np.int8))
+        forms = {
+            "f32_dot": (lambda x, d: jnp.dot(x, d), dense),
+            "decode_then_dot": (lambda x, w: ggml._linear_tiled(
+                x, w, min(w.out_features * w.in_features, ggml.TILE_WEIGHTS)
+                if w.out_features * w.in_features > ggml.UNTILED_WEIGHTS
+                else w.out_features * w.in_features), w),
+            "fused": (ggml._linear_fused, w),
+            "int8_out_in_fused": (lambda x, q: jnp.dot(x, q.astype(jnp.float32).T), int8_nk),
+        }
+        comp = {f: (jax.jit(fn).lower(x, a).compile(), a) for f, (fn, a) in forms.items()}
+        times: dict[str, list[float]] = {f: [] for f in comp}
+        for _ in range(repeats):
+            for f, (c, a) in comp.items():
+                t0 = time.perf_counter()
+                c(x, a).block_until_ready()
+                times[f].append(time.perf_counter() - t0)
+        for f, ts in times.items():
+            row = dict(shape=f"{k}x{n}", format=tname, m=1, form=f,
+                       ms=round(1e3 * statistics.median(ts), 3),
+                       ms_min=round(1e3 * min(ts), 3))
+            rows.append(row)
+            if not as_json:
+                print(f"{row['shape']:12s} {tname:5s} {f:18s} {row['ms']:9.3f} ms "
+                      f"(min {row['ms_min']:.3f})", flush=True)
+    if as_json:
+        json.dump(rows, sys.stdout, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="names or prefixes")
@@ -220,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-work", type=float, default=4e10,
                     help="skip elementwise (c*) forms above this many M·K·N multiplies")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ggml", action="store_true", help="time the GGUF block forms instead")
     args = ap.parse_args(argv)
+    if args.ggml:
+        return ggml_main(args.repeats, args.json)
     shapes = [s for s in SHAPES if any(s.startswith(p) for p in args.shapes)]
     forms = [f for f in FORMS if any(f.startswith(p) for p in args.forms)]
     rows = []

@@ -49,6 +49,8 @@ QK_K = 256
 K_SCALE_SIZE = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins in 12 bytes
 TILE_WEIGHTS = 1 << 20  # values decoded per step of `_linear_tiled` (4 MiB of f32)
 UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot, no loop)
+FUSED_ROWS = 4  # inputs of up to this many rows (decode steps) take `_linear_fused` on CPU
+FUSED_K = 2048  # input values per fused vector-matrix dot in `_linear_fused`
 
 
 @struct.dataclass
@@ -240,15 +242,42 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
 
 
+def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
+    """x [M, in] -> [M, out] f32 for a few rows M (decode): per row, vector · decode(W)ᵀ.
+
+    XLA on CPU emits a dot of a vector with a fused operand as one loop that decodes each block
+    where the dot reads it, so the only bytes read are the file's blocks and nothing is written
+    (measured by scripts/research/bench_linear.py --ggml: Q8_0/Q4_x/Q5_x as fast as or faster
+    than the f32 weight's dot). That loop slows down by ~5x from about 4096 inputs, so the
+    input dim is cut into runs of whole blocks of at most FUSED_K values; each run is its own
+    fused dot, and `reduce_precision` (an exact no-op on f32) keeps XLA from folding the sum of
+    the runs into an output fusion that would write the decoded weight out again.
+    """
+    nb = w.in_features // w.block
+    runs = -(-w.in_features // FUSED_K)
+    edges = [round(i * nb / runs) for i in range(runs + 1)]
+    blocks = _blocks(w.data, w)  # [N, nb, type_size]
+
+    def row(xv: jax.Array) -> jax.Array:  # [in] -> [N]
+        y = None
+        for a, b in zip(edges[:-1], edges[1:], strict=True):
+            v = _values(*decode_blocks(blocks[:, a:b], w.ggml_type)).reshape(w.out_features, -1)
+            part = jnp.dot(xv[a * w.block:b * w.block], v.T)
+            y = part if y is None else y + jax.lax.reduce_precision(part, 8, 23)
+        return y
+
+    return jnp.stack([row(x[i].astype(jnp.float32)) for i in range(x.shape[0])])
+
+
 def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array:
     """x [..., in] @ W -> [..., out] in x's dtype, W the GGUF weight used as [in, out].
 
-    backend "pallas": the fused `tqjax.pallas.ggml_matmul` kernel where it applies; "xla":
-    decode, then one dot (on CPU XLA cannot fuse the decoding into the dot; a one-pass
-    multiply-reduce measured slower); weights over UNTILED_WEIGHTS values (embedding heads) in
-    tiles of TILE_WEIGHTS (a whole-head f32 temporary measured ~10x slower, a loop over
-    tiles costs ~ms per step on medium weights). None = the
-    current backend (`tqjax.pallas.backend`).
+    backend "pallas": the fused `tqjax.pallas.ggml_matmul` kernel where it applies; "xla": on
+    CPU with at most FUSED_ROWS rows (decode), the decoding fused into vector-matrix dots
+    (`_linear_fused`); otherwise decode, then one dot (a one-pass multiply-reduce measured
+    slower), weights over UNTILED_WEIGHTS values (embedding heads) in tiles of TILE_WEIGHTS
+    (a whole-head f32 temporary measured ~10x slower). None = the current backend
+    (`tqjax.pallas.backend`).
     """
     if x.shape[-1] != w.in_features:
         raise TqjaxError(f"linear: x has {x.shape[-1]} features, the {w.type_name} weight "
@@ -257,6 +286,8 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
     if resolve_backend(backend) == "pallas":
         if gm.supported(x2.shape, w):
             return gm.ggml_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
+    if x2.shape[0] <= FUSED_ROWS and jax.default_backend() == "cpu":
+        return _linear_fused(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
     whole = w.out_features * w.in_features <= UNTILED_WEIGHTS
     y = _linear_tiled(x2, w, w.out_features * w.in_features if whole else TILE_WEIGHTS)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
