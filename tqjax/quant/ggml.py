@@ -247,11 +247,12 @@ def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
 
     XLA on CPU emits a dot of a vector with a fused operand as one loop that decodes each block
     where the dot reads it, so the only bytes read are the file's blocks and nothing is written
-    (measured by scripts/research/bench_linear.py --ggml: Q8_0/Q4_x/Q5_x as fast as or faster
-    than the f32 weight's dot). That loop slows down by ~5x from about 4096 inputs, so the
-    input dim is cut into runs of whole blocks of at most FUSED_K values; each run is its own
-    fused dot, and `reduce_precision` (an exact no-op on f32) keeps XLA from folding the sum of
-    the runs into an output fusion that would write the decoded weight out again.
+    (scripts/research/bench_linear.py --ggml: Q8_0/Q4_x/Q5_x take 0.75-1.2x the time of the
+    f32 weight's dot, Q4_K 1.6-2x, Q6_K 2.4-3x; decode-then-dot 1.5-18x). That loop slows
+    down by ~5x from about 4096 inputs, so the input dim is cut into runs of whole blocks of at
+    most FUSED_K values, each its own fused dot; `reduce_precision` (an exact no-op on f32)
+    keeps XLA from folding the sum of the runs into an output fusion that would write the
+    decoded weight out again.
     """
     nb = w.in_features // w.block
     runs = -(-w.in_features // FUSED_K)
@@ -286,7 +287,7 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
     if resolve_backend(backend) == "pallas":
         if gm.supported(x2.shape, w):
             return gm.ggml_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
-    if x2.shape[0] <= FUSED_ROWS and jax.default_backend() == "cpu":
+    if 0 < x2.shape[0] <= FUSED_ROWS and jax.default_backend() == "cpu":
         return _linear_fused(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
     whole = w.out_features * w.in_features <= UNTILED_WEIGHTS
     y = _linear_tiled(x2, w, w.out_features * w.in_features if whole else TILE_WEIGHTS)
