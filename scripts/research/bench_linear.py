@@ -11,7 +11,7 @@ shows up there).
     python scripts/research/bench_linear.py --ggml      # GGUF blocks at M = 1: decode forms
 
 `--ggml` times the GGUF block formats (`tqjax.quant.ggml`) on the real models' shapes and types
-at M = 1: the f32 dot of a dense weight, decode-then-dot (`_linear_tiled`, the M > FUSED_ROWS
+at M = 1: the f32 dot of a dense weight, decode-then-dot (`_decode_then_dot`, the M > FUSED_ROWS
 path) and the decode fused into vector-matrix dots (`_linear_fused`, the decode path), plus,
 for an int8 weight stored [out, in] (input minor, as GGUF stores rows), the same fused dot:
 the layout a QuantizedLinear would need to take that path (it is stored [in, out]).
@@ -241,10 +241,7 @@ def ggml_main(repeats: int, as_json: bool) -> int:
         int8_nk = jnp.asarray(rng.integers(-127, 128, (n, k), dtype=np.int8))
         forms = {
             "f32_dot": (lambda x, d: jnp.dot(x, d), dense),
-            "decode_then_dot": (lambda x, w: ggml._linear_tiled(
-                x, w, min(w.out_features * w.in_features, ggml.TILE_WEIGHTS)
-                if w.out_features * w.in_features > ggml.UNTILED_WEIGHTS
-                else w.out_features * w.in_features), w),
+            "decode_then_dot": (ggml._decode_then_dot, w),
             "fused": (ggml._linear_fused, w),
             "int8_out_in_fused": (lambda x, q: jnp.dot(x, q.astype(jnp.float32).T), int8_nk),
         }

@@ -242,6 +242,13 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
 
 
+def _decode_then_dot(x: jax.Array, w: GGMLLinear) -> jax.Array:
+    """x [M, in] -> [M, out] f32: the weight decoded whole when it has at most UNTILED_WEIGHTS
+    values (one dot, no loop), else in `_linear_tiled` tiles of TILE_WEIGHTS."""
+    size = w.out_features * w.in_features
+    return _linear_tiled(x, w, size if size <= UNTILED_WEIGHTS else TILE_WEIGHTS)
+
+
 def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
     """x [M, in] -> [M, out] f32 for a few rows M (decode): per row, vector · decode(W)ᵀ.
 
@@ -256,15 +263,19 @@ def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
     """
     nb = w.in_features // w.block
     runs = -(-w.in_features // FUSED_K)
-    edges = [round(i * nb / runs) for i in range(runs + 1)]
+    edges = [round(i * nb / runs) * w.block for i in range(runs + 1)]  # input offsets
     blocks = _blocks(w.data, w)  # [N, nb, type_size]
+    # each run's decoded values [N, b - a]: an expression XLA fuses into every dot reading it
+    values = [_values(*decode_blocks(blocks[:, a // w.block:b // w.block], w.ggml_type)
+                      ).reshape(w.out_features, -1)
+              for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
     def row(xv: jax.Array) -> jax.Array:  # [in] -> [N]
-        y = None
-        for a, b in zip(edges[:-1], edges[1:], strict=True):
-            v = _values(*decode_blocks(blocks[:, a:b], w.ggml_type)).reshape(w.out_features, -1)
-            part = jnp.dot(xv[a * w.block:b * w.block], v.T)
-            y = part if y is None else y + jax.lax.reduce_precision(part, 8, 23)
+        parts = [jnp.dot(xv[a:b], v.T) for a, b, v in zip(edges[:-1], edges[1:], values,
+                                                           strict=True)]
+        y = parts[0]
+        for part in parts[1:]:
+            y = y + jax.lax.reduce_precision(part, 8, 23)
         return y
 
     return jnp.stack([row(x[i].astype(jnp.float32)) for i in range(x.shape[0])])
@@ -289,9 +300,7 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
             return gm.ggml_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
     if 0 < x2.shape[0] <= FUSED_ROWS and jax.default_backend() == "cpu":
         return _linear_fused(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
-    whole = w.out_features * w.in_features <= UNTILED_WEIGHTS
-    y = _linear_tiled(x2, w, w.out_features * w.in_features if whole else TILE_WEIGHTS)
-    return y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    return _decode_then_dot(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
 def describe(w: Any) -> str:
