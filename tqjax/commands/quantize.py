@@ -23,9 +23,9 @@ CALIBRATION_HELP = ("calibration text for GPTQ and mixed-precision sensitivities
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (sys.argv[1:] when argv is None)."""
+    from tqjax.dtypes import DTYPES
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
     from tqjax.models.calibration import CALIBRATION_WINDOWS
-    from tqjax.models.checkpoint import DENSE_DTYPES
     from tqjax.models.quantize import METHODS, MIXED
 
     p = ArgumentParser(prog="tqjax-quantize", description=__doc__.splitlines()[0])
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="also quantize the token embedding and an untied output head (8-bit "
                         "TurboQuant): far less memory for large-vocabulary models")
-    p.add_argument("--dense-dtype", default="float16", choices=list(DENSE_DTYPES),
+    p.add_argument("--dense-dtype", default="float16", choices=list(DTYPES),
                    help="storage dtype of the tensors kept dense (embedding, norms, biases)")
     p.add_argument("--json", action="store_true", help="print one JSON line at the end")
     study = p.add_argument_group("calibration and study options (the defaults are the recipe)")

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax.atomic import replace_dir
-from tqjax.dtypes import DTYPES
+from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
 from tqjax.models.config import GGUF_ARCHITECTURES, ModelConfig, RopeScaling
@@ -53,7 +53,6 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", TOKENIZER_CONFIG,
                       "special_tokens_map.json", "chat_template.jinja")
-DENSE_DTYPES = DTYPES  # the dense parameters' types a checkpoint may store
 QUANTIZED_PARTS = (".packed", ".scale", ".offset")  # tensor-name suffixes of a QuantizedLinear
 
 
@@ -350,10 +349,8 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     """
     from safetensors.flax import save_file
 
-    if dense_dtype is not None and dense_dtype not in DENSE_DTYPES:
-        raise TqjaxError(f"unknown dense dtype {dense_dtype!r} (choose from: "
-                         f"{', '.join(DENSE_DTYPES)})")
-    tensors, tensor_meta = _to_tensors(params, DENSE_DTYPES.get(dense_dtype))
+    cast = None if dense_dtype is None else resolve_dtype(dense_dtype, "dense dtype")
+    tensors, tensor_meta = _to_tensors(params, cast)
     if tokenizer is not None:
         eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
         config = dataclasses.replace(config, eos_token_ids=eos)
@@ -429,8 +426,7 @@ def load_quantized(path: Path, dtype: str = "float32"
     ("float32", "bfloat16", "float16"); quantized tensors keep their stored types. Tensors
     are read, cast and placed one at a time, largest first.
     """
-    if dtype not in DENSE_DTYPES:
-        raise TqjaxError(f"unknown dtype {dtype!r} (choose from: {', '.join(DENSE_DTYPES)})")
+    jdtype = resolve_dtype(dtype)
     meta = _read_json(path / QUANT_FILE)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TqjaxError(f"{path / QUANT_FILE} is not a tqjax quantization file")
@@ -444,7 +440,6 @@ def load_quantized(path: Path, dtype: str = "float32"
     check_architecture(path, meta, config)
     st = SafetensorsFile(path / WEIGHTS_FILE)
     keep = {"rope_inv_freq"} | {n + s for n in meta["tensors"] for s in QUANTIZED_PARTS}
-    jdtype = DENSE_DTYPES[dtype]
     tensors = {name: st.place(name, None if name in keep or name.startswith("shared.") else jdtype)
                for name in sorted(st.shapes, key=lambda n: -math.prod(st.shapes[n]))}
     shared = _shared(tensors)

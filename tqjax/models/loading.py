@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tqjax.dtypes import DTYPES
+from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.models import checkpoint
 from tqjax.models.checkpoint import SafetensorsFile, host_buffer, read_file_bytes
@@ -56,13 +56,6 @@ GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
 }
-
-
-def resolve_dtype(name: str) -> jnp.dtype:
-    """A full dtype name ("float32", "bfloat16", "float16") -> the JAX dtype."""
-    if name not in DTYPES:  # (the cache types' short names are not parameter dtypes)
-        raise TqjaxError(f"unknown dtype {name!r} (choose from: {', '.join(DTYPES)})")
-    return DTYPES[name]
 
 
 # ---------------------------------------------------------------- one tensor at a time

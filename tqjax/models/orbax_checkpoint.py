@@ -34,9 +34,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tqjax.atomic import replace_dir
+from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.models.checkpoint import (
-    DENSE_DTYPES,
     _save_tokenizer,
     config_from_dict,
     config_to_dict,
@@ -194,9 +194,7 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
     if not isinstance(abstract, Params) or len(abstract.layers) != config.num_layers:
         raise TqjaxError(f"{path / META_FILE} does not describe a {config.num_layers}-layer model")
     if dtype is not None:
-        if dtype not in DENSE_DTYPES:
-            raise TqjaxError(f"unknown dtype {dtype!r} (choose from: {', '.join(DENSE_DTYPES)})")
-        abstract = _dense_as(abstract, DENSE_DTYPES[dtype])
+        abstract = _dense_as(abstract, resolve_dtype(dtype))
     mesh = make_mesh(1, 1) if mesh is None else mesh
     shardings = param_shardings(abstract, config, mesh)
     leaves, treedef = jax.tree.flatten(abstract)
