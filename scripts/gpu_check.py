@@ -122,8 +122,8 @@ def random_quantized(key: object, k: int, n: int, bits: int, group: int, kind: s
     from tqjax.quant.weights import QuantizedLinear
 
     k1, k2, k3 = jax.random.split(key, 3)
-    packed = jax.random.randint(k1, (k * bits // 8, n), 0, 256, jnp.int32)
-    scale = jax.random.uniform(k2, (k // group, n), jnp.float32, 0.005, 0.02)
+    packed = jax.random.randint(k1, (n, k * bits // 8), 0, 256, jnp.int32)
+    scale = jax.random.uniform(k2, (n, k // group), jnp.float32, 0.005, 0.02)
     if kind == "tq":
         lut = jnp.asarray(lloyd_max(bits, group).centroids * math.sqrt(group), jnp.float32)
     elif kind == "sym":
@@ -132,9 +132,10 @@ def random_quantized(key: object, k: int, n: int, bits: int, group: int, kind: s
         lut = jnp.arange(1 << bits, dtype=jnp.float32)
     offset = None
     if kind == "affine":
-        offset = jax.random.normal(k3, (k // group, n)).astype(jnp.float16) * 0.05
+        offset = jax.random.normal(k3, (n, k // group)).astype(jnp.float16) * 0.05
     return QuantizedLinear(packed=packed.astype(jnp.uint8), scale=scale.astype(jnp.float16),
-                           lut=lut, offset=offset, bits=bits, group=group, in_features=k)
+                           lut=lut, offset=offset, bits=bits, group=group, in_features=k,
+                           kind=kind)
 
 
 def dequant_case(name: str, k: int, n: int, bits: int, group: int, kind: str,

@@ -37,10 +37,10 @@ def random_weight(bits: int, k: int, n: int, group: int, affine: bool = False,
     codes = RNG.integers(0, 2**bits, (k, n)).astype(np.uint8)
     lut = np.sort(RNG.normal(size=2**bits)) if lut is None else lut
     return QuantizedLinear(
-        packed=pack_bits(jnp.asarray(codes.T), bits).T,
-        scale=jnp.asarray(RNG.uniform(0.5, 2.0, (k // group, n)), jnp.float16),
+        packed=pack_bits(jnp.asarray(codes.T), bits),
+        scale=jnp.asarray(RNG.uniform(0.5, 2.0, (n, k // group)), jnp.float16),
         lut=jnp.asarray(lut, jnp.float32),
-        offset=jnp.asarray(RNG.normal(size=(k // group, n)), jnp.float16) if affine else None,
+        offset=jnp.asarray(RNG.normal(size=(n, k // group)), jnp.float16) if affine else None,
         bits=bits, group=group, in_features=k)
 
 
@@ -208,7 +208,7 @@ def quantize_tq(w: jax.Array, bits: int = 4, group: int = 32) -> QuantizedLinear
     lut = jnp.asarray(lloyd_max(bits, group).centroids * math.sqrt(group), jnp.float32)
     y = v / jnp.where(scale > 0, scale, 1).astype(jnp.float32)[..., None]
     codes = jnp.sum(y[..., None] > 0.5 * (lut[1:] + lut[:-1]), axis=-1, dtype=jnp.uint8)
-    return QuantizedLinear(packed=pack_bits(codes.reshape(n, k), bits).T, scale=scale.T,
+    return QuantizedLinear(packed=pack_bits(codes.reshape(n, k), bits), scale=scale,
                            lut=lut, rotation=rot, bits=bits, group=group, in_features=k)
 
 

@@ -47,7 +47,6 @@ from tqjax.quant.mixed import (
     format_losses,
     shared_bits,
 )
-from tqjax.quant.packing import pack_bits, unpack_leading
 from tqjax.quant.weights import (
     HessianFactor,
     QuantizedLinear,
@@ -99,16 +98,16 @@ def test_quantize_linear_round_trip_and_padding(fmt, k):
     g, k_pad = fmt.group_size(k), fmt.padded_in(k)  # rotated per channel: 100 -> 128 rows
     assert g == (fmt.group or -(-k // max(fmt.rotation_block, 1)) * max(fmt.rotation_block, 1))
     assert (q.in_features, q.padded_in, q.out_features, q.group) == (k, k_pad, 24, g)
-    assert q.packed.shape == (k_pad * fmt.bits // 8, 24) and q.packed.dtype == jnp.uint8
-    assert q.scale.shape == (k_pad // g, 24) and q.scale.dtype == jnp.float16
+    assert q.packed.shape == (24, k_pad * fmt.bits // 8) and q.packed.dtype == jnp.uint8
+    assert q.scale.shape == (24, k_pad // g) and q.scale.dtype == jnp.float16
     assert (q.offset is not None) == (fmt.kind == "affine")
     assert (q.rotation.dim if q.rotation else 0) == fmt.rotation_block
     codes = np_codes(q.packed, fmt.bits)  # numpy's unpacking of the stream along K
     # the reference dequantization is scale * lut[code] (+ offset) in the stored basis
     want = np.asarray(q.lut)[codes].reshape(k_pad // g, g, 24) * np.asarray(
-        q.scale, np.float32)[:, None]
+        q.scale, np.float32).T[:, None]
     if q.offset is not None:
-        want = want + np.asarray(q.offset, np.float32)[:, None]
+        want = want + np.asarray(q.offset, np.float32).T[:, None]
     np.testing.assert_allclose(dequantize_weight(q), want.reshape(k_pad, 24), rtol=1e-6)
     budget = {8: 0.01, 4: 0.12, 3: 0.2, 2: 0.4}[fmt.bits]  # ‖Δw‖/‖w‖
     assert rel_err(effective_weight(q), w) < budget
@@ -118,33 +117,20 @@ def test_quantize_linear_round_trip_and_padding(fmt, k):
 
 
 def np_codes(packed, bits):
-    """Codes [K, N] from bytes uint8 [K·bits/8, N] packed along K: numpy's own bit unpacking of
-    the little-endian stream (bit j of code i is stream bit i·bits + j)."""
-    stream = np.unpackbits(np.asarray(packed), axis=0, bitorder="little")  # [K·bits, N]
-    stream = stream.reshape(-1, bits, stream.shape[1]).astype(np.int64)
-    return (stream << np.arange(bits)[None, :, None]).sum(1)
+    """Codes [K, N] from bytes uint8 [N, K·bits/8], each output's codes packed along K: numpy's
+    own bit unpacking of the little-endian stream (bit j of code i is stream bit i·bits + j)."""
+    stream = np.unpackbits(np.asarray(packed), axis=1, bitorder="little")  # [N, K·bits]
+    stream = stream.reshape(stream.shape[0], -1, bits).astype(np.int64)
+    return (stream << np.arange(bits)).sum(-1).T
 
 
 def np_dequantize(q):
     """The stored weight f32 [K_pad, N] by a numpy LUT lookup of the unpacked codes."""
     v = np.asarray(q.lut)[np_codes(q.packed, q.bits)]
-    v = v.reshape(-1, q.group, v.shape[1]) * np.asarray(q.scale, np.float32)[:, None]
+    v = v.reshape(-1, q.group, v.shape[1]) * np.asarray(q.scale, np.float32).T[:, None]
     if q.offset is not None:
-        v = v + np.asarray(q.offset, np.float32)[:, None]
+        v = v + np.asarray(q.offset, np.float32).T[:, None]
     return v.reshape(-1, v.shape[2])
-
-
-@pytest.mark.parametrize("bits", range(1, 9))
-def test_unpack_leading_matches_numpy(bits):
-    rng = np.random.default_rng(bits)
-    codes = rng.integers(0, 1 << bits, (24, 5, 3)).astype(np.uint8)
-    packed = jnp.moveaxis(pack_bits(jnp.moveaxis(jnp.asarray(codes), 0, -1), bits), -1, 0)
-    assert packed.shape == (3 * bits, 5, 3)
-    got = unpack_leading(packed, bits)
-    assert got.dtype == jnp.uint8
-    np.testing.assert_array_equal(got, codes)
-    np.testing.assert_array_equal(np_codes(np.asarray(packed).reshape(3 * bits, 15), bits),
-                                  codes.reshape(24, 15))
 
 
 LINEAR_FORMATS = [WeightFormat("tq", 2, 32), WeightFormat("tq", 3, 64), WeightFormat("tq", 4, 64),
@@ -155,12 +141,14 @@ LINEAR_FORMATS = [WeightFormat("tq", 2, 32), WeightFormat("tq", 3, 64), WeightFo
 @pytest.mark.parametrize("fmt", LINEAR_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 7])
 def test_linear_matches_numpy_dequantization(fmt, m, monkeypatch):
-    """The XLA path over tiles of columns (forced small here: 3 whole tiles and a remainder)
-    against x @ a numpy dequantization, in the stored basis and through `linear`."""
+    """The XLA paths against x @ a numpy dequantization, in the stored basis and through
+    `linear`: tiles of outputs (forced small here: 3 whole tiles and a remainder) and, for one
+    row, the fused dots (runs forced short: several groups per run, or a group cut in runs)."""
     k, n = 100, 3 * 128 + 44  # 100 inputs: padded to the group
     w = np.random.default_rng(k + fmt.bits).standard_normal((k, n)).astype(np.float32)
     q = quantize_linear(jnp.asarray(w), fmt)
     monkeypatch.setattr(qw, "TILE_WEIGHTS", 128 * q.padded_in)
+    monkeypatch.setattr("tqjax.quant.tiling.FUSED_K", 64)
     want_w = np_dequantize(q)  # [K_pad, N]
     np.testing.assert_allclose(dequantize_weight(q), want_w, rtol=1e-6)
     xs = np.random.default_rng(m).standard_normal((m, q.padded_in)).astype(np.float32)
@@ -174,19 +162,21 @@ def test_linear_matches_numpy_dequantization(fmt, m, monkeypatch):
 
 
 def test_linear_keeps_no_dequantized_weight():
-    """Compiled for a wide weight, the XLA path's temporaries stay far below the f32 [K, N]
-    weight (the dequantize-then-dot form needs at least that much)."""
+    """Compiled for a wide weight, the XLA paths' temporaries (tiles at prefill, the fused dots
+    of a decode step) stay far below the f32 [K, N] weight that dequantize-then-dot writes."""
     k, n = 256, 16384
     rng = np.random.default_rng(0)
-    q = QuantizedLinear(packed=jnp.asarray(rng.integers(0, 256, (k // 2, n), dtype=np.uint8)),
-                        scale=jnp.ones((k // 64, n), jnp.float16),
+    q = QuantizedLinear(packed=jnp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8)),
+                        scale=jnp.ones((n, k // 64), jnp.float16),
                         lut=format_lut(WeightFormat("tq", 4, 64)), bits=4, group=64, in_features=k)
-    x = jnp.ones((1, k))
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.float32)
     dense = jax.jit(lambda x, q: x @ dequantize_weight(q)).lower(x, q).compile()
-    tiled = jax.jit(lambda x, q: linear(x, q, backend="xla")).lower(x, q).compile()
     assert dense.memory_analysis().temp_size_in_bytes >= k * n * 4
-    assert tiled.memory_analysis().temp_size_in_bytes < k * n * 4 // 4
-    np.testing.assert_allclose(tiled(x, q), x @ np_dequantize(q), rtol=1e-4, atol=1e-3)
+    for rows in (8, 1):  # prefill (tiles), decode (fused dots)
+        xs = x[:rows]
+        path = jax.jit(lambda x, q: linear(x, q, backend="xla")).lower(xs, q).compile()
+        assert path.memory_analysis().temp_size_in_bytes < k * n * 4 // 4
+        np.testing.assert_allclose(path(xs, q), xs @ np_dequantize(q), rtol=1e-4, atol=1e-3)
 
 
 def test_grid_weights_are_reproduced_exactly():
@@ -771,12 +761,12 @@ def test_rotated_int8_gptq_checkpoint(tiny, tiny_ref, tmp_path):
     assert (w.rotation.dim, w.group, w.padded_in, w.bits) == (64, 128, 128, 8)
     tq = quantize_linear(jax.random.normal(jax.random.PRNGKey(0), (16, 8)),
                          WeightFormat("tq", 4, 8))
-    assert (ckpt.kind_of(w), ckpt.kind_of(tq)) == ("sym", "tq")  # told apart by the codebook
+    assert (w.kind, tq.kind) == ("sym", "tq")
     got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
     assert 0 < rel_err(got, tiny_ref) < 0.03
     ckpt.save_quantized(tmp_path / "q", q, tiny.config, method={"method": "int8-rot"})
     loaded = tqjax.load(tmp_path / "q")
-    assert loaded.params.layers[0].wq.rotation.dim == 64
+    assert (loaded.params.layers[0].wq.rotation.dim, loaded.params.layers[0].wq.kind) == (64, "sym")
     np.testing.assert_array_equal(tqjax.logits(loaded, TOKENS), got)
 
 

@@ -10,8 +10,8 @@ mapped to mesh axes (`RULES`) and the logical axes of every weight (`LINEAR_AXES
 field (`CACHE_AXES`):
 
 - column-parallel (wq, wk, wv, w_gate, w_up, an untied head; the embedding over the
-  vocabulary): the output dimension is split. Quantized weights split their packed codes,
-  scales and offsets by output column; GGUF blocks split their rows (one row per output).
+  vocabulary): the output dimension is split. Quantized weights (packed codes, scales,
+  offsets) and GGUF blocks are stored output-major and split their rows (one per output).
   Nothing crosses a Hadamard block: rotations act on the input dimension.
 - row-parallel (wo, w_down): the input dimension is split, so each device multiplies its own
   heads' (or hidden units') slice and the partial products are summed. A quantized weight is
@@ -194,9 +194,10 @@ def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
         ins = (in_pieces, sizes[in_axis]) if in_pieces else ()
         return split_axes(mesh, in_axis, out_axis, ins, (out_len, sizes[out_axis]))
 
-    if isinstance(w, QuantizedLinear):  # rows cut only at group boundaries, never padded
-        groups = w.scale.shape[0] if w.padded_in == w.in_features else 0
-        split = _spec(mesh, *dims(groups, w.out_features))
+    if isinstance(w, QuantizedLinear):  # [out, in]; inputs cut only at groups, never padded
+        groups = w.scale.shape[1] if w.padded_in == w.in_features else 0
+        rows, cols = dims(groups, w.out_features)
+        split = _spec(mesh, cols, rows)
         return jax.tree.map(lambda _: rep, w).replace(
             packed=split, scale=split, offset=None if w.offset is None else split)
     if isinstance(w, GGMLLinear):  # data [out, in-blocks · type size], cut at block boundaries

@@ -43,10 +43,10 @@ from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LayerParams, Params
 from tqjax.quant.accounting import params_bits
 from tqjax.quant.rotation import Rotation
-from tqjax.quant.weights import KINDS, QuantizedLinear
+from tqjax.quant.weights import KINDS, QuantizedLinear, WeightFormat, format_lut
 
 FORMAT = "tqjax-quantized"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized weights stored output-major ([out, in·bits/8])
 QUANT_FILE = "quantization.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -184,14 +184,6 @@ def _unflatten(flat: dict[str, Any], config: ModelConfig) -> Params:
     return params
 
 
-def kind_of(w: QuantizedLinear) -> str:
-    """The format kind of a quantized weight: "affine" (offset), "sym" (integer levels, rotated
-    or not) or "tq" (a Lloyd–Max codebook)."""
-    if w.offset is not None:
-        return "affine"
-    return "sym" if bool(jnp.all(w.lut == jnp.round(w.lut))) else "tq"
-
-
 def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
                 ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """Flat safetensors dict and the per-tensor quantization metadata."""
@@ -222,7 +214,7 @@ def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
             if value.rotation.matrix is not None:
                 parts["matrix"] = value.rotation.matrix
             rotation = share("rotation", parts)
-        meta[name] = {"kind": kind_of(value), "bits": value.bits, "group": value.group,
+        meta[name] = {"kind": value.kind, "bits": value.bits, "group": value.group,
                       "in_features": value.in_features, "out_features": value.out_features,
                       "lut": share("lut", {"": value.lut}), "rotation": rotation}
     return tensors, meta
@@ -243,9 +235,9 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
     if not (1 <= bits <= 8 and group > 0 and k > 0 and n > 0):
         raise TqjaxError(f"{QUANT_FILE}: bad kind/bits/group/features for {name}")
     k_pad = -(-k // group) * group
-    expect = {".packed": (k_pad * bits // 8, n), ".scale": (k_pad // group, n)}
+    expect = {".packed": (n, k_pad * bits // 8), ".scale": (n, k_pad // group)}
     if kind == "affine":
-        expect[".offset"] = (k_pad // group, n)
+        expect[".offset"] = (n, k_pad // group)
     for suffix, shape in expect.items():
         t = tensors.pop(name + suffix, None)
         if t is None or t.shape != shape:
@@ -254,6 +246,10 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
         expect[suffix] = t
     if lut_name not in shared or shared[lut_name].shape != (1 << bits,):
         raise TqjaxError(f"quantized checkpoint: {name} needs a {1 << bits}-entry lut {lut_name}")
+    if kind != "tq" and not np.array_equal(np.asarray(shared[lut_name]),
+                                           np.asarray(format_lut(WeightFormat(kind, bits, 8)))):
+        raise TqjaxError(f"quantized checkpoint: {name} is {kind} but its lut {lut_name} is not "
+                         f"the {bits}-bit integer levels")
     rotation = None
     if kind == "tq" or rot_name is not None:
         rotation = shared.get(rot_name)
@@ -263,7 +259,7 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
                              f"{'is' if kind == 'tq' else 'divides'} its group {group}")
     return QuantizedLinear(packed=expect[".packed"], scale=expect[".scale"], lut=shared[lut_name],
                            offset=expect.get(".offset"), rotation=rotation, bits=bits,
-                           group=group, in_features=k)
+                           group=group, in_features=k, kind=kind)
 
 
 def _shared(tensors: dict[str, jax.Array]) -> dict[str, Any]:
@@ -432,7 +428,7 @@ def load_quantized(path: Path, dtype: str = "float32"
         raise TqjaxError(f"{path / QUANT_FILE} is not a tqjax quantization file")
     if meta.get("format_version") != FORMAT_VERSION:
         raise TqjaxError(f"{path} has quantized format version {meta.get('format_version')}; "
-                         f"this tqjax reads version {FORMAT_VERSION}")
+                         f"this tqjax reads version {FORMAT_VERSION} (quantize it again)")
     if not isinstance(meta.get("tensors"), dict):
         raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
     verify_files(path, meta)

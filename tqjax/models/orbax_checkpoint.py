@@ -50,7 +50,7 @@ from tqjax.quant.weights import QuantizedLinear
 from tqjax.sharding import make_mesh, param_shardings
 
 FORMAT = "tqjax-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized weights stored output-major
 META_FILE = "orbax.json"
 CONFIG_FILE = "config.json"
 STATE_DIR = "state"
@@ -186,7 +186,7 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
         raise TqjaxError(f"{path / META_FILE} is not a tqjax orbax checkpoint")
     if info.get("format_version") != FORMAT_VERSION:
         raise TqjaxError(f"{path} has orbax format version {info.get('format_version')}; "
-                         f"this tqjax reads version {FORMAT_VERSION}")
+                         f"this tqjax reads version {FORMAT_VERSION} (quantize it again)")
     if not (path / STATE_DIR).is_dir():
         raise TqjaxError(f"orbax checkpoint {path} has no {STATE_DIR}/ directory")
     config = config_from_dict(_read_json(path / CONFIG_FILE))

@@ -1,15 +1,14 @@
 """Fused dequantize-and-multiply for `tqjax.quant.weights.QuantizedLinear` (Pallas, Triton dialect).
 
-y = x_rot @ Ŵ with Ŵ[k, n] = scale[k // group, n] · lut[code[k, n]] (+ offset[k // group, n]),
+y = x_rot @ Ŵ with Ŵ[k, n] = scale[n, k // group] · lut[code[n, k]] (+ offset[n, k // group]),
 never writing Ŵ to memory. Each program owns `block_n` output columns and a contiguous range of
 input tiles (split-K); a tile is the largest power of two (at most 128 rows) that divides the
 group, so it never straddles two groups. Per tile it
 
-1. gathers the packed bytes of the tile's codes straight from the bit stream (code k
-   starts at stream bit k·bits: byte (k·bits) >> 3, shift (k·bits) & 7, plus the next byte when a
-   code can straddle two, i.e. when bits does not divide 8 — the 3-bit case, where 8 codes fill
-   3 bytes); rows along N are contiguous, so the loads stay coalesced and a byte shared by several
-   codes is re-read from L1, not from memory,
+1. gathers the packed bytes of the tile's codes straight from each output's bit stream
+   (code k starts at stream bit k·bits: byte (k·bits) >> 3, shift (k·bits) & 7, plus the next
+   byte when a code can straddle two, i.e. when bits does not divide 8 — the 3-bit case, where
+   8 codes fill 3 bytes); a byte shared by several codes is re-read from L1, not from memory,
 2. looks the codes up in the LUT (a gather from a ≤ 256-entry table),
 3. multiplies: `decode` tiling (M ≤ 8 rows) does a row-wise multiply-and-reduce per output row,
    `prefill` tiling a [block_m, group] × [group, block_n] dot,
@@ -39,9 +38,9 @@ class PackedWeight(Protocol):
     """What the kernel reads of a `tqjax.quant.weights.QuantizedLinear` (structural type, so
     this ground-layer module imports nothing above it)."""
 
-    packed: jax.Array  # uint8 [K_pad·bits/8, N] code bit stream along K
-    scale: jax.Array  # f16 [K_pad/group, N]
-    offset: jax.Array | None  # f16 [K_pad/group, N] (affine formats)
+    packed: jax.Array  # uint8 [N, K_pad·bits/8]: each output's code bit stream along K
+    scale: jax.Array  # f16 [N, K_pad/group]
+    offset: jax.Array | None  # f16 [N, K_pad/group] (affine formats)
     lut: jax.Array  # [2^bits] code values
     bits: int
     group: int
@@ -104,10 +103,10 @@ def _codes(packed_ref: object, first_row: jax.Array, rows: int, bits: int, n_byt
     byte, shift = (k * bits) >> 3, (k * bits) & 7
     shape = (rows, block_n)
     cols = jnp.broadcast_to(jnp.arange(block_n, dtype=jnp.int32)[None, :], shape)
-    word = packed_ref[jnp.broadcast_to(byte[:, None], shape), cols].astype(jnp.int32)
+    word = packed_ref[cols, jnp.broadcast_to(byte[:, None], shape)].astype(jnp.int32)
     if 8 % bits:  # a code may continue in the next byte
         nxt = jnp.broadcast_to(jnp.minimum(byte + 1, n_bytes - 1)[:, None], shape)
-        word = word | (packed_ref[nxt, cols].astype(jnp.int32) << 8)
+        word = word | (packed_ref[cols, nxt].astype(jnp.int32) << 8)
     return (word >> shift[:, None]) & ((1 << bits) - 1)
 
 
@@ -122,8 +121,8 @@ def _kernel(x_ref: object, packed_ref: object, scale_ref: object, offset_ref: ob
         g = first // group
         vals = lut_ref[_codes(packed_ref, first, tile, bits, n_bytes, block_n)]
         vals = vals.astype(dtype)  # as the reference casts Ŵ to x's dtype
-        scale = scale_ref[g, :].astype(jnp.float32)
-        offset = None if offset_ref is None else offset_ref[g, :].astype(jnp.float32)
+        scale = scale_ref[:, g].astype(jnp.float32)
+        offset = None if offset_ref is None else offset_ref[:, g].astype(jnp.float32)
         cols = pl.ds(first, tile)
         if rows is None:  # prefill: one [block_m, block_n] tile
             xs = x_ref[:, cols]
@@ -168,18 +167,18 @@ def _dequant_matmul(x: jax.Array, w: PackedWeight, interpret: bool,
         xp, rows = jnp.pad(x, ((0, row_blocks * block_m - m), (0, 0))), None
         x_spec = pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0))
     mp = xp.shape[0]
-    col_spec = lambda r: pl.BlockSpec((r, block_n), lambda i, j, s: (0, j))  # noqa: E731
+    row_spec = lambda r: pl.BlockSpec((block_n, r), lambda i, j, s: (j, 0))  # noqa: E731
     kernel = functools.partial(
         _kernel, bits=w.bits, group=w.group, tile=tile, tiles_per_split=k // tile // splits,
-        n_bytes=w.packed.shape[0], rows=rows, block_n=block_n)
+        n_bytes=w.packed.shape[1], rows=rows, block_n=block_n)
     out = pl.pallas_call(
         kernel,
         grid=(row_blocks, n // block_n, splits),
         in_specs=[
             x_spec,
-            col_spec(w.packed.shape[0]),
-            col_spec(groups),
-            None if w.offset is None else col_spec(groups),
+            row_spec(w.packed.shape[1]),
+            row_spec(groups),
+            None if w.offset is None else row_spec(groups),
             pl.BlockSpec(w.lut.shape, lambda i, j, s: (0,)),
         ],
         out_specs=pl.BlockSpec((None, mp if block_m is None else block_m, block_n),

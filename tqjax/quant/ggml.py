@@ -40,7 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqjax.errors import TqjaxError
 from tqjax.pallas import ggml_matmul as gm
 from tqjax.pallas.backend import resolve as resolve_backend
-from tqjax.quant.tiling import column_tiles
+from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES: tuple[int, ...] = tuple(int(t) for t in (
@@ -49,8 +49,6 @@ QK_K = 256
 K_SCALE_SIZE = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins in 12 bytes
 TILE_WEIGHTS = 1 << 20  # values decoded per step of `_linear_tiled` (4 MiB of f32)
 UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot, no loop)
-FUSED_ROWS = 4  # inputs of up to this many rows (decode steps) take `_linear_fused` on CPU
-FUSED_K = 2048  # input values per fused vector-matrix dot in `_linear_fused`
 
 
 @struct.dataclass
@@ -250,20 +248,13 @@ def _decode_then_dot(x: jax.Array, w: GGMLLinear) -> jax.Array:
 
 
 def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
-    """x [M, in] -> [M, out] f32 for a few rows M (decode): per row, vector · decode(W)ᵀ.
-
-    XLA on CPU emits a dot of a vector with a fused operand as one loop that decodes each block
-    where the dot reads it, so the only bytes read are the file's blocks and nothing is written
-    (scripts/research/bench_linear.py --ggml: Q8_0/Q4_x/Q5_x take 0.75-1.2x the time of the
-    f32 weight's dot, Q4_K 1.6-2x, Q6_K 2.4-3x; decode-then-dot 1.5-18x). That loop slows
-    down by ~5x from about 4096 inputs, so the input dim is cut into runs of whole blocks of at
-    most FUSED_K values, each its own fused dot; `reduce_precision` (an exact no-op on f32)
-    keeps XLA from folding the sum of the runs into an output fusion that would write the
-    decoded weight out again.
+    """x [M, in] -> [M, out] f32 for a few rows M (decode): per row, vector · decode(W)ᵀ in
+    runs of whole blocks (`tqjax.quant.tiling`), so the only bytes read are the file's blocks
+    and nothing is written (scripts/research/bench_linear.py --ggml: Q8_0/Q4_x/Q5_x take
+    0.75-1.2x the time of the f32 weight's dot, Q4_K 1.6-2x, Q6_K 2.4-3x; decode-then-dot
+    1.5-18x).
     """
-    nb = w.in_features // w.block
-    runs = -(-w.in_features // FUSED_K)
-    edges = [round(i * nb / runs) * w.block for i in range(runs + 1)]  # input offsets
+    edges = [e * w.block for e in run_edges(w.in_features // w.block, w.block)]  # input offsets
     blocks = _blocks(w.data, w)  # [N, nb, type_size]
     # each run's decoded values [N, b - a]: an expression XLA fuses into every dot reading it
     values = [_values(*decode_blocks(blocks[:, a // w.block:b // w.block], w.ggml_type)
@@ -271,12 +262,8 @@ def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
               for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
     def row(xv: jax.Array) -> jax.Array:  # [in] -> [N]
-        parts = [jnp.dot(xv[a:b], v.T) for a, b, v in zip(edges[:-1], edges[1:], values,
-                                                           strict=True)]
-        y = parts[0]
-        for part in parts[1:]:
-            y = y + jax.lax.reduce_precision(part, 8, 23)
-        return y
+        return sum_parts([jnp.dot(xv[a:b], v.T)
+                          for a, b, v in zip(edges[:-1], edges[1:], values, strict=True)])
 
     return jnp.stack([row(x[i].astype(jnp.float32)) for i in range(x.shape[0])])
 
@@ -285,7 +272,7 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
     """x [..., in] @ W -> [..., out] in x's dtype, W the GGUF weight used as [in, out].
 
     backend "pallas": the fused `tqjax.pallas.ggml_matmul` kernel where it applies; "xla": on
-    CPU with at most FUSED_ROWS rows (decode), the decoding fused into vector-matrix dots
+    CPU with at most `tiling.FUSED_ROWS` rows (decode), the decoding fused into vector-matrix dots
     (`_linear_fused`); otherwise decode, then one dot (a one-pass multiply-reduce measured
     slower), weights over UNTILED_WEIGHTS values (embedding heads) in tiles of TILE_WEIGHTS
     (a whole-head f32 temporary measured ~10x slower). None = the current backend
@@ -298,7 +285,7 @@ def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array
     if resolve_backend(backend) == "pallas":
         if gm.supported(x2.shape, w):
             return gm.ggml_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
-    if 0 < x2.shape[0] <= FUSED_ROWS and jax.default_backend() == "cpu":
+    if use_fused(x2.shape[0]):
         return _linear_fused(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
     return _decode_then_dot(x2, w).astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
 

@@ -53,15 +53,6 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     return _unpack(packed, bits, packed.ndim - 1)
 
 
-def unpack_leading(packed: jax.Array, bits: int) -> jax.Array:
-    """`unpack_bits` along the leading axis: packed uint8 [n·bits/8, ...] → codes uint8 [n, ...]."""
-    if packed.dtype != jnp.uint8:
-        raise TqjaxError(f"unpack_leading needs uint8 bytes, got {packed.dtype}")
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise TqjaxError(f"packing bits must be an integer in 1..8, got {bits!r}")
-    return _unpack(packed, bits, 0)
-
-
 def _unpack(packed: jax.Array, bits: int, axis: int) -> jax.Array:
     """Codes from the bytes along `axis`: uint8 [..., n·bits/8, ...] → uint8 [..., n, ...].
 

@@ -1,12 +1,46 @@
-"""Output-column tiling shared by the XLA paths of the quantized linears (`weights`, `ggml`)."""
+"""How the XLA paths of the quantized linears (`weights`, `ggml`) cut their work: output tiles
+for decode-then-dot, and the fused vector-matrix dots of a decode step.
+
+The fused form (measured on CPU, scripts/research/bench_linear.py): XLA emits a dot of a rank-1
+vector with an operand stored [out, in] (input minor) whose values are an elementwise function
+of packed bytes as *one loop* (`copy_dot_fusion` in the HLO) that decodes each value where the
+dot reads it, so only the packed bytes are read and no decoded weight is written. That loop
+slows down ~5x from about 4096 inputs, so the input dim is cut into runs of at most FUSED_K
+values, each its own dot; `sum_parts` adds the runs' outputs behind a `reduce_precision` (an
+exact no-op on f32) that keeps XLA from folding the sum into an output fusion that would
+write the decoded weight out again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+FUSED_ROWS = 4  # inputs of up to this many rows (decode steps) take the fused dots on CPU
+FUSED_K = 2048  # input values per fused vector-matrix dot
+
+
+def use_fused(rows: int) -> bool:
+    """Whether an input of `rows` rows takes the fused vector-matrix dots (CPU, decode)."""
+    return 0 < rows <= FUSED_ROWS and jax.default_backend() == "cpu"
+
+
+def run_edges(pieces: int, piece: int) -> list[int]:
+    """Offsets (in pieces) of runs of whole pieces of `piece` input values each, as even as
+    possible and at most FUSED_K values per run (a longer piece is a run of its own)."""
+    runs = max(1, min(pieces, -(-pieces * piece // FUSED_K)))
+    return [round(i * pieces / runs) for i in range(runs + 1)]
+
+
+def sum_parts(parts: Sequence[jax.Array]) -> jax.Array:
+    """Σ parts (f32 [N] each, the fused dots of one input row) kept apart from the dots."""
+    y = parts[0]
+    for part in parts[1:]:
+        y = y + jax.lax.reduce_precision(part, 8, 23)
+    return y
 
 
 def column_tiles(tile: Callable[[Any, int], jax.Array], m: int, n: int, cols: int,

@@ -7,8 +7,10 @@ int8/int4 baselines: for input row i in group g = i // group and output column j
 
 and, when `rotation` is set, W is stored for the *rotated* input: x @ W ≈ rot(x) @ Ŵ, where rot
 applies the same randomized Hadamard to every block of `rotation.dim` input features (the group
-for "tq"). Codes are packed along the input axis with `tqjax.quant.packing` (a group of 8 rows of
-3-bit codes fills 3 bytes). The input dim is zero-padded up to a multiple of `group` (and of the
+for "tq"). Storage is output-major, as GGUF stores rows: for each output j, its codes along the
+input packed with `tqjax.quant.packing` (8 codes of 3 bits fill 3 bytes), and its scales per
+group — the layout in which XLA on CPU fuses the decoding into a decode step's vector-matrix
+dot (`tqjax.quant.tiling`). The input dim is zero-padded up to a multiple of `group` (and of the
 rotation block); `in_features` keeps the true size.
 
 Quantizers (`quantize_linear`) produce this format for a `WeightFormat`:
@@ -46,11 +48,11 @@ from tqjax.errors import TqjaxError
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
-from tqjax.quant import ggml
+from tqjax.quant import ggml, tiling
 from tqjax.quant.codebook import lloyd_max
-from tqjax.quant.packing import pack_bits, unpack_bits, unpack_leading
+from tqjax.quant.packing import pack_bits, unpack_bits
 from tqjax.quant.rotation import Rotation, make_rotation, rotate, unrotate
-from tqjax.quant.tiling import column_tiles
+from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 
 KINDS = ("tq", "sym", "affine")
 SCALE_DTYPE = jnp.float16
@@ -59,24 +61,25 @@ SCALE_BITS = 16
 
 @struct.dataclass
 class QuantizedLinear:
-    """A quantized [in, out] weight; see the module docstring for the formula."""
+    """A quantized [in, out] weight stored output-major; see the module docstring."""
 
-    packed: jax.Array  # [K_pad * bits / 8, N] uint8, codes packed along the input axis
-    scale: jax.Array  # [K_pad / group, N] f16
+    packed: jax.Array  # [N, K_pad * bits / 8] uint8: each output's codes packed along the input
+    scale: jax.Array  # [N, K_pad / group] f16
     lut: jax.Array  # [2^bits] f32 code -> value (codebook centroids, or integer levels)
-    offset: jax.Array | None = None  # [K_pad / group, N] f16, affine formats only
+    offset: jax.Array | None = None  # [N, K_pad / group] f16, affine formats only
     rotation: Rotation | None = None  # input rotation per block of rotation.dim rows (| group)
     bits: int = struct.field(pytree_node=False, default=4)
     group: int = struct.field(pytree_node=False, default=64)
     in_features: int = struct.field(pytree_node=False, default=0)
+    kind: str = struct.field(pytree_node=False, default="tq")  # one of KINDS
 
     @property
     def out_features(self) -> int:
-        return self.packed.shape[1]
+        return self.packed.shape[0]
 
     @property
     def padded_in(self) -> int:
-        return self.packed.shape[0] * 8 // self.bits
+        return self.packed.shape[1] * 8 // self.bits
 
 
 def _per_block(fn: Any, x: jax.Array, rot: Rotation) -> jax.Array:
@@ -97,55 +100,108 @@ def rotate_input(x: jax.Array, w: QuantizedLinear) -> jax.Array:
 
 def _dequantize(packed: jax.Array, scale: jax.Array, offset: jax.Array | None, lut: jax.Array,
                 bits: int, group: int) -> jax.Array:
-    """Codes packed uint8 [K·bits/8, n] with scale (offset) f16 [K/group, n] -> f32 [K, n]."""
-    values = lut[unpack_leading(packed, bits)]  # [K, n]
-    k, n = values.shape
-    values = values.reshape(k // group, group, n) * scale.astype(jnp.float32)[:, None]
+    """Codes packed uint8 [n, K·bits/8] with scale (offset) f16 [n, K/group] -> f32 [n, K]."""
+    n, k = packed.shape[0], packed.shape[1] * 8 // bits
+    values = lut[unpack_bits(packed, bits, k)].reshape(n, k // group, group)
+    values = values * scale.astype(jnp.float32)[..., None]
     if offset is not None:
-        values = values + offset.astype(jnp.float32)[:, None]
-    return values.reshape(k, n)
+        values = values + offset.astype(jnp.float32)[..., None]
+    return values.reshape(n, k)
 
 
 def dequantize_weight(w: QuantizedLinear) -> jax.Array:
     """The stored weight in the rotated input basis, f32 [K_pad, N] (reference path)."""
-    return _dequantize(w.packed, w.scale, w.offset, w.lut, w.bits, w.group)
+    return _dequantize(w.packed, w.scale, w.offset, w.lut, w.bits, w.group).T
 
 
 TILE_WEIGHTS = 1 << 18  # weights dequantized per step of `_tiled_matmul` (1 MiB of f32)
 
 
 def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
-    """x [M, K_pad] (rotated) @ Ŵ -> [M, N] in x's dtype, dequantizing a tile of output columns
-    at a time.
+    """x [M, K_pad] (rotated) @ Ŵ -> [M, N] in x's dtype, dequantizing a tile of outputs at a
+    time (prefill: more rows than `tiling.FUSED_ROWS`).
 
-    XLA on CPU runs the dot as a library call that cannot fuse the unpack, so the dequantized
-    weight is always written out; a tile of ~TILE_WEIGHTS (a multiple of 128 columns) keeps
-    that temporary in cache and the packed bytes the only full-size copy. Measured by
-    scripts/research/bench_linear.py: faster than dequantize-then-dot, and than an
-    elementwise multiply-reduce (which XLA does not fuse with the unpack either). Other
-    backends get one tile (XLA on GPU can fuse the dequantization into its dot).
+    XLA on CPU runs a matrix-matrix dot as a library call that cannot fuse the unpack, so the
+    dequantized weight is always written out; a tile of ~TILE_WEIGHTS (a multiple of 128
+    outputs) keeps that temporary in cache and the packed bytes the only full-size copy.
+    Other backends get one tile (XLA on GPU can fuse the dequantization into its dot).
     """
     k, n = w.padded_in, w.out_features
-    cols = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
+    rows = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
     if jax.default_backend() != "cpu":
-        cols = n
+        rows = n
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
         def cut(a: jax.Array | None) -> jax.Array | None:
-            return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+            return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
 
         wt = _dequantize(cut(w.packed), cut(w.scale), cut(w.offset), w.lut, w.bits, w.group)
-        return jnp.dot(x, wt.astype(x.dtype))  # [M, size]
+        return jax.lax.dot_general(x, wt.astype(x.dtype), (((1,), (1,)), ((), ())))  # [M, size]
 
-    return column_tiles(tile, x.shape[0], n, cols, x.dtype)
+    return column_tiles(tile, x.shape[0], n, rows, x.dtype)
+
+
+def _unit(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte run of `bits`-bit codes: (2, 1) for 4 bits,
+    (8, 3) for 3 bits, (1, 1) for 8."""
+    codes = 8 // math.gcd(8, bits)
+    return codes, codes * bits // 8
+
+
+def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
+    """x [M, K_pad] (rotated) @ Ŵ -> [M, N] f32 for a few rows M (decode, CPU), never writing
+    Ŵ: per row and per run of input groups (`tqjax.quant.tiling`), one vector-matrix dot per
+    code position j in a unit of whole bytes (`_unit`: the two nibbles of a byte, the 8 codes
+    of 3 bytes), whose operand decodes code j of every unit where the dot reads it: shift and
+    mask, the level (codes + lowest level for integer formats, a LUT lookup for "tq"), scale
+    (+ offset). Measured (scripts/research/bench_linear.py): int8 1.5-2x faster than the f32
+    weight's dot, int4/tq4 0.5-0.8x of it; `_tiled_matmul` 0.3-0.5x.
+    """
+    c, ub = _unit(w.bits)
+    n, units, gu = w.out_features, w.padded_in // c, w.group // c  # gu: units per group
+    groups = units // gu
+    if w.group <= tiling.FUSED_K:  # runs of whole groups
+        edges = [e * gu for e in run_edges(groups, w.group)]
+    else:  # each group cut into runs
+        per = run_edges(gu, c)
+        edges = sorted({g * gu + e for g in range(groups) for e in per})
+    p = w.packed.reshape(n, units, ub)
+    mask = (1 << w.bits) - 1
+    lowest = -(1 << (w.bits - 1)) if w.kind == "sym" else 0  # integer levels: code + lowest
+
+    def values(a: int, b: int, j: int) -> jax.Array:  # code j of units a..b-1, f32 [n, b - a]
+        lo, shift = divmod(j * w.bits, 8)
+        hi = (j * w.bits + w.bits - 1) // 8
+        word = p[:, a:b, lo]
+        if hi != lo:  # the code continues in the next byte
+            word = word.astype(jnp.uint16) | (p[:, a:b, hi].astype(jnp.uint16) << 8)
+        code = (word >> shift) & mask
+        v = w.lut[code] if w.kind == "tq" else code.astype(jnp.float32) + lowest
+        g0, g1 = a // gu, -(-b // gu)
+        s = w.scale[:, g0:g1].astype(jnp.float32)
+        o = None if w.offset is None else w.offset[:, g0:g1].astype(jnp.float32)
+        if g1 - g0 == 1:  # inside one group
+            return v * s + (0 if o is None else o)
+        v = v.reshape(n, g1 - g0, gu) * s[..., None] + (0 if o is None else o[..., None])
+        return v.reshape(n, b - a)
+
+    runs = list(zip(edges[:-1], edges[1:], strict=True))
+    vals = {(a, j): values(a, b, j) for a, b in runs for j in range(c)}
+
+    def row(xv: jax.Array) -> jax.Array:  # [K_pad] -> [N]
+        xu = xv.reshape(units, c)
+        return sum_parts([jnp.dot(xu[a:b, j], vals[a, j].T) for a, b in runs for j in range(c)])
+
+    return jnp.stack([row(x[i].astype(jnp.float32)) for i in range(x.shape[0])])
 
 
 def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x's dtype; w dense or QuantizedLinear.
 
-    backend: "xla" (`_tiled_matmul`: dequantize a cache-sized tile of columns, then dot) or
-    "pallas" (the fused `dequant_matmul` kernel where it applies); None =
-    `tqjax.pallas.backend.current()`.
+    backend "xla": on CPU with at most `tiling.FUSED_ROWS` rows (decode), the decoding fused
+    into vector-matrix dots (`_linear_fused`), otherwise `_tiled_matmul` (dequantize a
+    cache-sized tile of outputs, then dot); "pallas": the fused `dequant_matmul` kernel
+    where it applies. None = `tqjax.pallas.backend.current()`.
     """
     if isinstance(w, ggml.GGMLLinear):  # GGUF blocks kept as the file has them
         return ggml.linear(x, w, backend)
@@ -153,8 +209,12 @@ def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
         xr = rotate_input(x, w)
         x2 = xr.reshape(-1, xr.shape[-1])
         if resolve_backend(backend) == "pallas" and dequant_supported(x2.shape, w):
-            return dequant_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
-        return _tiled_matmul(x2, w).reshape(*x.shape[:-1], w.out_features)
+            y = dequant_matmul(x2, w)
+        elif use_fused(x2.shape[0]):
+            y = _linear_fused(x2, w).astype(x.dtype)
+        else:
+            y = _tiled_matmul(x2, w)
+        return y.reshape(*x.shape[:-1], w.out_features)
     return jnp.dot(x, w.astype(x.dtype))
 
 
@@ -164,11 +224,11 @@ def gather_columns(w: QuantizedLinear, ids: jax.Array) -> jax.Array:
     A quantized embedding table is stored as the QuantizedLinear of embedᵀ [D, V], so this is
     the token lookup (it unpacks only the gathered columns) and `linear` is the tied head.
     """
-    codes = unpack_bits(w.packed.T[ids], w.bits, w.padded_in)  # [..., K_pad]
+    codes = unpack_bits(w.packed[ids], w.bits, w.padded_in)  # [..., K_pad]
     values = w.lut[codes.astype(jnp.int32)].reshape(*ids.shape, -1, w.group)
-    values = values * w.scale.T[ids].astype(jnp.float32)[..., None]
+    values = values * w.scale[ids].astype(jnp.float32)[..., None]
     if w.offset is not None:
-        values = values + w.offset.T[ids].astype(jnp.float32)[..., None]
+        values = values + w.offset[ids].astype(jnp.float32)[..., None]
     values = values.reshape(*ids.shape, -1)
     if w.rotation is not None:
         values = _per_block(unrotate, values, w.rotation)
@@ -470,12 +530,13 @@ def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
                              f"with {k} inputs")
         codes, scale, offset = _gptq(wr, hessian, lut, fmt.kind)
     return QuantizedLinear(
-        packed=pack_bits(codes.T, fmt.bits).T,
-        scale=scale.astype(SCALE_DTYPE),
+        packed=pack_bits(codes.T, fmt.bits),
+        scale=scale.T.astype(SCALE_DTYPE),
         lut=lut,
-        offset=None if offset is None else offset.astype(SCALE_DTYPE),
+        offset=None if offset is None else offset.T.astype(SCALE_DTYPE),
         rotation=format_rotation(fmt.rotation_block, seed) if fmt.rotation_block else None,
         bits=fmt.bits,
         group=g,
         in_features=k,
+        kind=fmt.kind,
     )
