@@ -33,6 +33,25 @@ def golden_dir() -> Path:
     return GOLDEN
 
 
+@pytest.fixture(scope="session")
+def real_model():
+    """real_model(name) -> `tqjax.load(name)` of a registered real checkpoint, loaded once per
+    session and shared by every test that reads it (Qwen2.5-Coder-0.5B takes ~25 s to load and
+    dequantize here). Tests must not modify what they get (they make copies, e.g. with
+    dataclasses.replace); the model's own caches (KV calibration, cache metas) fill once."""
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            import tqjax
+
+            loaded[name] = tqjax.load(name)
+        return loaded[name]
+
+    yield get
+    loaded.clear()
+
+
 def _mapped_regions() -> int:
     try:
         with open("/proc/self/maps") as f:

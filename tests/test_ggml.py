@@ -213,10 +213,10 @@ def test_real_tensors_match_gguf(model_name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
-def test_real_model_logits_match_dequantized(model_name):
+def test_real_model_logits_match_dequantized(model_name, real_model):
     """Whole model on GGUF blocks vs the f32 model gguf dequantized at load: 1e-4 relative."""
     path = str(fetch_model(model_name))
-    ref = tqjax.load(path)
+    ref = real_model(model_name)  # tqjax.load of that same file, shared with other tests
     model = ggml_model(ref, path)
     kinds = {type(lp.wq) for lp in model.params.layers} | {type(model.params.embed)}
     assert kinds == {ggml.GGMLLinear}

@@ -43,11 +43,13 @@ SLOW = {"qwen2.5-coder-1.5b-instruct": {}}
 
 @pytest.fixture(scope="module", params=[
     *NAMES, *(pytest.param(n, marks=[pytest.mark.slow, pytest.mark.large]) for n in SLOW)])
-def case(request):
+def case(request, real_model):
     name = request.param
     ref = load_file(GOLDEN / "real" / f"{name}.safetensors")
     meta = json.loads((GOLDEN / "real" / f"{name}.json").read_text())
-    return tqjax.load(name, **SLOW.get(name, {})), ref, meta
+    # the session's shared copy (other files load these two too); the large one stays local
+    model = tqjax.load(name, **SLOW[name]) if name in SLOW else real_model(name)
+    return model, ref, meta
 
 
 def test_logits_match_hf(case):

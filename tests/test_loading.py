@@ -197,10 +197,10 @@ def test_truncated_gguf_tensor_is_a_clean_error(tiny_gguf, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_blocks_logits_match_dequantized():
+def test_smollm2_gguf_blocks_logits_match_dequantized(real_model):
     from tqjax.quant import ggml
 
-    dense = tqjax.load("smollm2-135m-instruct")
+    dense = real_model("smollm2-135m-instruct")
     kept = tqjax.load("smollm2-135m-instruct", weights="gguf")
     assert isinstance(kept.params.embed, ggml.GGMLLinear)
     assert all(isinstance(getattr(lp, f), ggml.GGMLLinear)

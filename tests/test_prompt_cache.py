@@ -375,11 +375,11 @@ def test_cli_prompt_cache(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_turbo4_prompt_cache(tmp_path):
+def test_smollm2_turbo4_prompt_cache(tmp_path, real_model):
     """SmolLM2, turbo4 cache: a restored prompt cache gives the original's next logits bit for
     bit, and generation through a prompt-cache file equals generation without it (the shapes
     are generate's own, so the compilations are shared)."""
-    smol = tqjax.load("smollm2-135m-instruct")
+    smol = real_model("smollm2-135m-instruct")
     spec = CacheSpec("turbo4", "turbo4")
     prompt = tqjax.api.encode_prompt(smol, "Name three colours of the rainbow.", chat=True,
                                      system="You are a terse assistant. " * 8)

@@ -57,13 +57,13 @@ def check(model_name: str, run: str, res) -> None:
 
 
 @pytest.fixture(scope="module", params=[SMOL, QWEN])
-def model(request):
-    return tqjax.load(request.param)
+def model(request, real_model):
+    return real_model(request.param)
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return tqjax.load(SMOL)
+def smol(real_model):
+    return real_model(SMOL)
 
 
 def hamlet(model) -> list[int]:

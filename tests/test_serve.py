@@ -423,10 +423,10 @@ def test_slot_save_restore_erase(model, live):
 
 
 @pytest.mark.slow
-def test_smollm2_system_prompt_reuse_and_equal_greedy_output():
+def test_smollm2_system_prompt_reuse_and_equal_greedy_output(real_model):
     from tqjax.data import calibration_part
 
-    model = tqjax.load("smollm2-135m-instruct")
+    model = real_model("smollm2-135m-instruct")
     system = " ".join(calibration_part("prose").split()[:700])
     msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
     srv = Live(model, slots=2, ctx=1536, max_body=1 << 20)

@@ -3,7 +3,8 @@ CPU devices.
 
 JAX fixes its device count when it starts, so the checks run in one subprocess per group
 (`python tests/test_sharding.py tiny|real` with XLA_FLAGS forcing 8 host devices), which
-prints one JSON line of measurements; the tests assert on it. References are the same
+prints one JSON line of measurements; the tests assert on it. The two subprocesses run at the
+same time. References are the same
 model on one device (jax's default placement, no mesh): sharded logits must match them to
 1e-5 relative (max |Δ| / max |logit|), greedy generations token for token, and per-device
 bytes a hand count from the config.
@@ -239,23 +240,59 @@ def real_checks() -> dict[str, Any]:
 # ---------------------------------------------------------------- the pytest side
 
 
-def _run(group: str) -> dict[str, Any]:
+def _start(group: str) -> subprocess.Popen:
+    # PYTHONPATH: the subprocess runs this file as a script (sys.path[0] = tests/), so without
+    # it `import tqjax` would find an installed copy instead of this checkout's
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
-    proc = subprocess.run([sys.executable, str(HERE), group], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent.parent),
+                                                        os.environ.get("PYTHONPATH")])))
+    # files, not pipes: an unread pipe of the one not yet waited for could fill and block it
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, str(HERE), group], env=env, stdout=out, stderr=err)
+    proc.stdout_file, proc.stderr_file = out, err
+    return proc
+
+
+def _result(proc: subprocess.Popen) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=1200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    out, err = proc.stdout_file, proc.stderr_file
+    out.seek(0)
+    err.seek(0)
+    assert proc.returncode == 0, err.read()[-4000:]
+    return json.loads(out.read().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def tiny() -> dict[str, Any]:
-    return _run("tiny")
+def procs(request) -> dict[str, subprocess.Popen]:
+    """Both groups' subprocesses, started together when the module's first test needs one: each
+    is mostly single-threaded XLA compiling, so on a small CPU they overlap (each only when
+    a test of it was selected: `-m "not slow"` does not load the real models)."""
+    items = [item for item in request.session.items if item.module is request.module]
+    started = {g: _start(g) for g in ("tiny", "real")
+               if any(g in item.fixturenames for item in items)}
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout_file.close()
+        proc.stderr_file.close()
 
 
 @pytest.fixture(scope="module")
-def real() -> dict[str, Any]:
-    return _run("real")
+def tiny(procs) -> dict[str, Any]:
+    return _result(procs["tiny"])
+
+
+@pytest.fixture(scope="module")
+def real(procs) -> dict[str, Any]:
+    return _result(procs["real"])
 
 
 def test_sharded_logits_match_one_device(tiny):
