@@ -154,8 +154,9 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     code position j in a unit of whole bytes (`_unit`: the two nibbles of a byte, the 8 codes
     of 3 bytes), whose operand decodes code j of every unit where the dot reads it: shift and
     mask, the level (codes + lowest level for integer formats, a LUT lookup for "tq"), scale
-    (+ offset). Measured (scripts/research/bench_linear.py): int8 1.5-2x faster than the f32
-    weight's dot, int4/tq4 0.5-0.8x of it; `_tiled_matmul` 0.3-0.5x.
+    (+ offset). Measured (scripts/research/bench_linear.py, M = 1): int8 1.4-1.7x faster than
+    the f32 weight's dot and int4 about as fast; tq4 0.87x on 896 -> 4864 but 0.33x on
+    4864 -> 896 (the LUT lookup does not vectorise); `_tiled_matmul` 0.3-0.6x.
     """
     c, ub = _unit(w.bits)
     n, units, gu = w.out_features, w.padded_in // c, w.group // c  # gu: units per group
