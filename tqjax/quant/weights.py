@@ -168,7 +168,7 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
         edges = sorted({g * gu + e for g in range(groups) for e in per})
     p = w.packed.reshape(n, units, ub)
     mask = (1 << w.bits) - 1
-    lowest = -(1 << (w.bits - 1)) if w.kind == "sym" else 0  # integer levels: code + lowest
+    lowest = w.lut[0]  # integer levels (sym, affine): lut[code] = code + lut[0]
 
     def values(a: int, b: int, j: int) -> jax.Array:  # code j of units a..b-1, f32 [n, b - a]
         lo, shift = divmod(j * w.bits, 8)
