@@ -76,7 +76,7 @@ def test_linear_matches_dequantized_reference(name, rows):
 def test_fused_decode_cut_into_runs_matches_reference(name, monkeypatch):
     # three runs of whole blocks per row, summed across the reduce_precision barrier
     n, k = 24, 768
-    monkeypatch.setattr("tqjax.quant.tiling.FUSED_K", 256)
+    monkeypatch.setattr("tqjax.quant.tiling.GGML_FUSED_VALUES", 256)
     raw = random_blocks(name, n, k)
     w = ggml.from_gguf(raw, T[name], (n, k))
     x = RNG.normal(size=(3, k)).astype(np.float32)

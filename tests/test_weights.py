@@ -148,7 +148,7 @@ def test_linear_matches_numpy_dequantization(fmt, m, monkeypatch):
     w = np.random.default_rng(k + fmt.bits).standard_normal((k, n)).astype(np.float32)
     q = quantize_linear(jnp.asarray(w), fmt)
     monkeypatch.setattr(qw, "TILE_WEIGHTS", 128 * q.padded_in)
-    monkeypatch.setattr("tqjax.quant.tiling.FUSED_K", 64)
+    monkeypatch.setattr("tqjax.quant.tiling.FUSED_BYTES", 8 * fmt.bits + 1)  # runs of 64 codes
     want_w = np_dequantize(q)  # [K_pad, N]
     np.testing.assert_allclose(dequantize_weight(q), want_w, rtol=1e-6)
     xs = np.random.default_rng(m).standard_normal((m, q.padded_in)).astype(np.float32)

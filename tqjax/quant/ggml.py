@@ -40,6 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqjax.errors import TqjaxError
 from tqjax.pallas import ggml_matmul as gm
 from tqjax.pallas.backend import resolve as resolve_backend
+from tqjax.quant import tiling
 from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 
 T = GGMLQuantizationType
@@ -254,7 +255,8 @@ def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
     0.75-1.2x the time of the f32 weight's dot, Q4_K 1.6-2x, Q6_K 2.4-3x; decode-then-dot
     1.5-18x).
     """
-    edges = [e * w.block for e in run_edges(w.in_features // w.block, w.block)]  # input offsets
+    runs = run_edges(w.in_features // w.block, w.type_size, w.block, tiling.GGML_FUSED_VALUES)
+    edges = [e * w.block for e in runs]  # input offsets
     blocks = _blocks(w.data, w)  # [N, nb, type_size]
     # each run's decoded values [N, b - a]: an expression XLA fuses into every dot reading it
     values = [_values(*decode_blocks(blocks[:, a // w.block:b // w.block], w.ggml_type)

@@ -5,10 +5,14 @@ The fused form (measured on CPU, scripts/research/bench_linear.py): XLA emits a 
 vector with an operand stored [out, in] (input minor) whose values are an elementwise function
 of packed bytes as *one loop* (`copy_dot_fusion` in the HLO) that decodes each value where the
 dot reads it, so only the packed bytes are read and no decoded weight is written. That loop
-slows down ~5x from about 4096 inputs, so the input dim is cut into runs of at most FUSED_K
-values, each its own dot; `sum_parts` adds the runs' outputs behind a `reduce_precision` (an
-exact no-op on f32) that keeps XLA from folding the sum into an output fusion that would
-write the decoded weight out again.
+slows down 5-30x once it reads 4096 or more bytes of each packed row (measured for int8, int4,
+tq4 and GGUF blocks: int8 N=896 K=3968 0.48 ms, K=4096 13 ms; int4/tq4 K=7936 (3968 bytes)
+1.5/4.1 ms, K=8192 25/35 ms), so a long row is cut into runs of whole groups of fewer than
+FUSED_BYTES bytes each, each its own dot, and otherwise left whole (cutting a row that is
+under the limit costs up to 3x with a codebook lookup: tq4 896 -> 4864 in 2 runs 6.1 ms, in
+one 1.9 ms). `sum_parts` adds the runs' outputs behind a `reduce_precision` (an exact no-op
+on f32) that keeps XLA from folding the sum into an output fusion that would write the
+decoded weight out again.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ import jax
 import jax.numpy as jnp
 
 FUSED_ROWS = 4  # inputs of up to this many rows (decode steps) take the fused dots on CPU
-FUSED_K = 2048  # input values per fused vector-matrix dot
+FUSED_BYTES = 4096  # a fused vector-matrix dot reads fewer than this many bytes of each row
+# GGUF's K-quant decoders (packed 6-bit sub-block scales, Q6_K's high bits) also slow down with
+# long runs well under the byte limit (4864x896 Q4_K: 2.7 ms in runs of <= 2048 values, 7.6 ms
+# as one run of 2736 bytes; 8960x1536 Q6_K 17.6 vs 60 ms), so GGUF runs stay at most this long
+GGML_FUSED_VALUES = 2048
 
 
 def use_fused(rows: int) -> bool:
@@ -28,10 +36,15 @@ def use_fused(rows: int) -> bool:
     return 0 < rows <= FUSED_ROWS and jax.default_backend() == "cpu"
 
 
-def run_edges(pieces: int, piece: int) -> list[int]:
-    """Offsets (in pieces) of runs of whole pieces of `piece` input values each, as even as
-    possible and at most FUSED_K values per run (a longer piece is a run of its own)."""
-    runs = max(1, min(pieces, -(-pieces * piece // FUSED_K)))
+def run_edges(pieces: int, piece_bytes: int, piece_values: int = 1,
+              max_values: int | None = None) -> list[int]:
+    """Offsets (in pieces) of the fewest runs of whole pieces (`piece_bytes` bytes of a row,
+    `piece_values` inputs each) that keep every run under FUSED_BYTES bytes and at most
+    `max_values` inputs, as even as possible (a piece over a limit is a run of its own)."""
+    per = max(1, (FUSED_BYTES - 1) // piece_bytes)  # pieces per run at most
+    if max_values is not None:
+        per = max(1, min(per, max_values // piece_values))
+    runs = max(1, -(-pieces // per))
     return [round(i * pieces / runs) for i in range(runs + 1)]
 
 

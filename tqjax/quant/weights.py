@@ -154,17 +154,18 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     code position j in a unit of whole bytes (`_unit`: the two nibbles of a byte, the 8 codes
     of 3 bytes), whose operand decodes code j of every unit where the dot reads it: shift and
     mask, the level (codes + lowest level for integer formats, a LUT lookup for "tq"), scale
-    (+ offset). Measured (scripts/research/bench_linear.py, M = 1): int8 1.4-1.7x faster than
-    the f32 weight's dot and int4 about as fast; tq4 0.87x on 896 -> 4864 but 0.33x on
-    4864 -> 896 (the LUT lookup does not vectorise); `_tiled_matmul` 0.3-0.6x.
+    (+ offset). Measured (scripts/research/bench_linear.py, M = 1, runs under
+    `tiling.FUSED_BYTES` per row): int8 1.3-2.7x faster than the f32 weight's dot, int4 0.6-1.9x
+    as fast; tq4 0.6x on 576/896/1536 -> N, 1.0x on 4864 -> 896, 0.3x on 8960 -> 1536 (two runs;
+    the codebook lookup does not vectorise like the integer levels); `_tiled_matmul` 0.3-0.6x.
     """
     c, ub = _unit(w.bits)
     n, units, gu = w.out_features, w.padded_in // c, w.group // c  # gu: units per group
     groups = units // gu
-    if w.group <= tiling.FUSED_K:  # runs of whole groups
-        edges = [e * gu for e in run_edges(groups, w.group)]
-    else:  # each group cut into runs
-        per = run_edges(gu, c)
+    if gu * ub < tiling.FUSED_BYTES:  # runs of whole groups
+        edges = [e * gu for e in run_edges(groups, gu * ub)]
+    else:  # each group cut into runs of units
+        per = run_edges(gu, ub)
         edges = sorted({g * gu + e for g in range(groups) for e in per})
     p = w.packed.reshape(n, units, ub)
     mask = (1 << w.bits) - 1
