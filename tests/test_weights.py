@@ -791,3 +791,22 @@ def test_quantized_embeddings(name, tmp_path):
     loaded = tqjax.load(tmp_path / "q")
     assert isinstance(loaded.params.embed, QuantizedLinear)
     np.testing.assert_allclose(tqjax.logits(loaded, TOKENS), got, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("tq", 8, 64), WeightFormat("sym", 8, 0),
+                                 WeightFormat("tq", 4, 64)], ids=lambda f: f.name)
+def test_nearest_level_matches_a_binary_search(fmt):
+    """`_assign` (the grid-table search for 8-bit codebooks) gives numpy's searchsorted over
+    the midpoints, also at each midpoint, one ulp either side of it and far outside (not at
+    subnormals next to a midpoint at 0, which XLA on CPU reads as 0)."""
+    from tqjax.quant.weights import _assign
+
+    lut = np.asarray(format_lut(fmt), np.float32)
+    mids = np.float32(0.5) * (lut[1:] + lut[:-1])
+    x = np.concatenate([np.random.default_rng(0).standard_normal(200_000) * lut[-1] / 2,
+                        mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        [lut[0] * 1e6, lut[-1] * 1e6, 0.0]]).astype(np.float32)
+    x = x[(x == 0) | (np.abs(x) >= np.finfo(np.float32).tiny)]  # XLA flushes subnormals
+    want = np.searchsorted(mids, x, side="left")
+    got = np.asarray(jax.jit(lambda v: _assign(v, format_lut(fmt)))(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, want)

@@ -332,9 +332,30 @@ def format_rotation(block: int, seed: int) -> Rotation:
 
 
 def _assign(x: jax.Array, lut: jax.Array) -> jax.Array:
-    """Index of the nearest lut value for each element of x (lut ascending) -> uint8."""
-    method = "compare_all" if lut.shape[0] <= 16 else "scan_unrolled"
-    return jnp.searchsorted(0.5 * (lut[1:] + lut[:-1]), x, method=method).astype(jnp.uint8)
+    """Index of the nearest lut value for each element of x (lut ascending) -> uint8: the
+    count of midpoints below x. Up to 16 levels, compare with all; a concrete larger lut
+    (the format's, 8 bits) looks up a uniform grid of cells a quarter of the closest midpoint
+    gap wide, whose table gives the count below the cell before x's, then compares with the
+    next two midpoints: the same codes as a binary search, with 3 gathers instead of 8
+    (quantizing Qwen2.5's 151936 x 896 embedding to tq8 spent minutes in the search)."""
+    if lut.shape[0] <= 16:
+        return jnp.searchsorted(0.5 * (lut[1:] + lut[:-1]), x, method="compare_all"
+                                ).astype(jnp.uint8)
+    if isinstance(lut, jax.core.Tracer):
+        return jnp.searchsorted(0.5 * (lut[1:] + lut[:-1]), x, method="scan_unrolled"
+                                ).astype(jnp.uint8)
+    levels = np.asarray(lut, np.float32)
+    mids = np.float32(0.5) * (levels[1:] + levels[:-1])  # as the searches above compute them
+    step = float(np.diff(mids.astype(np.float64)).min()) / 4
+    lo = float(mids[0]) - 2 * step
+    cells = int(np.ceil((float(mids[-1]) - lo) / step)) + 3
+    below = np.searchsorted(mids, lo + (np.arange(cells) - 1) * step, side="left")
+    cell = jnp.clip(jnp.floor((x - lo) / step), 0, cells - 1).astype(jnp.int32)
+    base = jnp.asarray(below, jnp.int32)[cell]
+    m, n = jnp.asarray(mids), mids.shape[0]
+    code = (base + ((x > m[jnp.minimum(base, n - 1)]) & (base < n))
+            + ((x > m[jnp.minimum(base + 1, n - 1)]) & (base + 1 < n)))
+    return code.astype(jnp.uint8)
 
 
 def _safe(x: jax.Array) -> jax.Array:
@@ -395,10 +416,11 @@ def _values(codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
     return out if offset is None else out + offset
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "group"))
-def _round_to_nearest(w: jax.Array, h: jax.Array, lut: jax.Array, kind: str,
+@functools.partial(jax.jit, static_argnames=("fmt", "group"))
+def _round_to_nearest(w: jax.Array, h: jax.Array, fmt: WeightFormat,
                       group: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """w f32 [K, N] (stored basis), row importances h [K] -> codes [K, N], scale, offset."""
+    lut, kind = format_lut(fmt), fmt.kind  # a constant of the trace
     k, n = w.shape
     v = w.reshape(k // group, group, n)
     scale, offset = _fit_groups(v, h.reshape(k // group, group, 1), lut, kind)
@@ -458,10 +480,11 @@ def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
     return HessianFactor(order, upper, importance, dead, group, fmt.rotation_block)
 
 
-@functools.partial(jax.jit, static_argnames=("kind",))
-def _gptq(w: jax.Array, factor: HessianFactor, lut: jax.Array,
-          kind: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _gptq(w: jax.Array, factor: HessianFactor,
+          fmt: WeightFormat) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """GPTQ: w f32 [K, N] in the stored basis -> codes [K, N], scale, offset (per group)."""
+    lut, kind = format_lut(fmt), fmt.kind  # a constant of the trace
     k, n = w.shape
     group, u = factor.group, factor.upper
     w = jnp.where(factor.dead[:, None], 0.0, w[factor.order])
@@ -524,13 +547,13 @@ def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
     lut = format_lut(fmt)
     wr = to_stored_basis(w, fmt, seed)
     if hessian is None:
-        codes, scale, offset = _round_to_nearest(wr, jnp.ones(wr.shape[0]), lut, fmt.kind, g)
+        codes, scale, offset = _round_to_nearest(wr, jnp.ones(wr.shape[0]), fmt, g)
     else:
         if (hessian.upper.shape[0], hessian.group, hessian.rotation) != (
                 wr.shape[0], g, fmt.rotation_block):
             raise TqjaxError(f"the Hessian factor was prepared for another basis than {fmt.name} "
                              f"with {k} inputs")
-        codes, scale, offset = _gptq(wr, hessian, lut, fmt.kind)
+        codes, scale, offset = _gptq(wr, hessian, fmt)
     return QuantizedLinear(
         packed=pack_bits(codes.T, fmt.bits),
         scale=scale.T.astype(SCALE_DTYPE),
