@@ -810,3 +810,24 @@ def test_nearest_level_matches_a_binary_search(fmt):
     want = np.searchsorted(mids, x, side="left")
     got = np.asarray(jax.jit(lambda v: _assign(v, format_lut(fmt)))(jnp.asarray(x)))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("tq", 4, 64), WeightFormat("affine", 4, 32)],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("gptq", [False, True])
+def test_quantizing_in_column_chunks_changes_nothing(fmt, gptq, monkeypatch):
+    """Output columns are quantized QUANTIZE_COLUMNS at a time: 3 chunks and a remainder give
+    the codes, scales and offsets of one call over all columns."""
+    k, n = 128, 350
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    x = rng.standard_normal((256, k)).astype(np.float32)
+    factor = hessian_factor(jnp.asarray(x.T @ x), fmt) if gptq else None
+    whole = quantize_linear(w, fmt, hessian=factor)
+    monkeypatch.setattr(qw, "QUANTIZE_COLUMNS", 100)
+    chunked = quantize_linear(w, fmt, hessian=factor)
+    for name in ("packed", "scale", "offset"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
