@@ -336,8 +336,9 @@ def _assign(x: jax.Array, lut: jax.Array) -> jax.Array:
     count of midpoints below x. Up to 16 levels, compare with all; a concrete larger lut
     (the format's, 8 bits) looks up a uniform grid of cells a quarter of the closest midpoint
     gap wide, whose table gives the count below the cell before x's, then compares with the
-    next two midpoints: the same codes as a binary search, with 3 gathers instead of 8
-    (quantizing Qwen2.5's 151936 x 896 embedding to tq8 spent minutes in the search)."""
+    next two midpoints (x lies under half the closest gap above that cell's start, so at most
+    one midpoint sits between): the same codes as a binary search with 3 gathers instead of 8
+    (tq8, 2M values: 19 vs 150-180 ms)."""
     if lut.shape[0] <= 16:
         return jnp.searchsorted(0.5 * (lut[1:] + lut[:-1]), x, method="compare_all"
                                 ).astype(jnp.uint8)
