@@ -37,7 +37,7 @@ from tqjax.models.quantize import (
 from tqjax.models.tokenizer import tokenizer_from_gguf
 from tqjax.models.transformer import forward
 from tqjax.quant import weights as qw
-from tqjax.quant.accounting import params_bits
+from tqjax.quant.accounting import params_bits, shared_bits, unique_bytes
 from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.mixed import (
     _lower_hull,
@@ -45,7 +45,6 @@ from tqjax.quant.mixed import (
     candidate_formats,
     format_loss,
     format_losses,
-    shared_bits,
 )
 from tqjax.quant.weights import (
     HessianFactor,
@@ -455,6 +454,21 @@ def test_fisher_mixed_allocation(tiny):
     fixed = weight_formats(tiny.params, tiny.config, dataclasses.replace(spec, group_size=32),
                            paths, cal)
     assert {f.group for f in fixed.values()} == {32}
+
+
+def test_predicted_bits_equal_the_stored_bytes():
+    """What the allocator budgets (`tensor_bits` per tensor + `shared_bits` once) is what the
+    quantized tensors store, byte for byte: padding, scales, offsets, luts and the rotation
+    signs shared by formats with the same block size."""
+    rng = np.random.default_rng(0)
+    cases = [(WeightFormat("tq", 4, 64), (200, 48)), (WeightFormat("tq", 3, 128), (96, 40)),
+             (WeightFormat("tq", 4, 64), (64, 8)), (WeightFormat("sym", 8, 0), (130, 24)),
+             (WeightFormat("affine", 4, 32), (72, 16)),
+             (WeightFormat("sym", 4, 64, rotation=64), (256, 8)),
+             (WeightFormat("sym", 8, 64, rotation=32), (100, 8))]
+    ws = [quantize_linear(jnp.asarray(rng.normal(size=s), jnp.float32), f) for f, s in cases]
+    predicted = sum(f.tensor_bits(*s) for f, s in cases) + shared_bits(f for f, _ in cases)
+    assert 8 * unique_bytes(ws) == predicted
 
 
 def test_params_bits_exact(tiny):

@@ -1,16 +1,20 @@
-"""Bits accounting of a parameter pytree: exact stored bytes and bits per weight.
+"""Bits accounting of weights: exact stored bytes of a parameter pytree, and the bits a
+format will store before anything is quantized.
 
 One place for it: quantized checkpoints (quantization.json "memory"), scripts/quantize.py,
-the weights tables and the benchmarks all report `params_bits`.
+the weights tables and the benchmarks report `params_bits`; the mixed-precision allocator
+budgets with `WeightFormat.tensor_bits` (a tensor's codes, scales and offsets) plus
+`shared_bits` (the constants stored once), which add up to what `params_bits` measures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 
-from tqjax.quant.weights import QuantizedLinear
+from tqjax.quant.weights import QuantizedLinear, WeightFormat
 
 
 def unique_bytes(tree: Any, seen: set[int] | None = None) -> int:
@@ -24,6 +28,15 @@ def unique_bytes(tree: Any, seen: set[int] | None = None) -> int:
             seen.add(id(leaf))
             total += leaf.nbytes
     return total
+
+
+def shared_bits(formats: Iterable[WeightFormat]) -> int:
+    """Bits of the constants stored once for every tensor of these formats (one seed): each
+    format's f32 lut (`format_lut`) and one set of f32 rotation signs per rotation block size
+    (`format_rotation`, shared across formats)."""
+    fmts = set(formats)
+    return (sum(32 << f.bits for f in fmts)
+            + sum(32 * b for b in {f.rotation_block for f in fmts} if b))
 
 
 def params_bits(params: Any) -> dict[str, float]:

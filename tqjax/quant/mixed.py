@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tqjax.errors import TqjaxError
+from tqjax.quant.accounting import shared_bits
 from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.weights import WeightFormat, effective_weight, quantize_linear
 
@@ -46,13 +47,6 @@ FISHER_ROWS = 64  # input rows per block the Fisher weights are summed over, wha
 def candidate_formats(groups: tuple[int, ...] = GROUPS) -> list[WeightFormat]:
     """The "tq" formats the allocator chooses from, fewest bits first."""
     return [WeightFormat("tq", b, g) for b in CANDIDATE_BITS for g in groups]
-
-
-def shared_bits(formats: list[WeightFormat]) -> int:
-    """Bits of the constants shared by all tensors of these formats: f32 luts and the rotation
-    signs (one per group size)."""
-    luts = sum(32 << f.bits for f in set(formats))
-    return luts + sum(32 * g for g in {f.group for f in formats if f.kind == "tq"})
 
 
 def group_sums(x: jax.Array, group: int) -> jax.Array:
