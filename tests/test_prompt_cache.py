@@ -383,22 +383,28 @@ def test_smollm2_turbo4_prompt_cache(tmp_path, real_model):
     spec = CacheSpec("turbo4", "turbo4")
     prompt = tqjax.api.encode_prompt(smol, "Name three colours of the rainbow.", chat=True,
                                      system="You are a terse assistant. " * 8)
-    n, slots = len(prompt), gen.padded_length(len(prompt) + 8)
-    plain = tqjax.generate(smol, prompt, max_new_tokens=8, cache=spec)
+    # the restored run prefills its last prompt token as one padded chunk from slot n - 1;
+    # enough new tokens that the plain run's cache has those slots too, so both runs (and
+    # the checks below) share one cache shape and its compilations
+    n = len(prompt)
+    slots = gen.padded_length(n - 1 + gen.PAD_MULTIPLE)
+    new = slots - gen.PAD_MULTIPLE + 1 - n
+    assert gen.padded_length(n + new) == slots
+    plain = tqjax.generate(smol, prompt, max_new_tokens=new, cache=spec)
     path = tmp_path / "smol.tqkv"
     meta = smol.cache_meta(spec)
     pc.save_prompt_cache(path, filled(smol, spec, [prompt], slots), prompt, meta)
     restored, ids = pc.load_prompt_cache(path, meta, slots)
     assert ids == prompt
 
-    def next_logits(cache):
-        tokens = np.zeros((1, 64), np.int32)
+    def next_logits(cache):  # one more token at position n, prefilled as generate would
+        tokens = np.zeros((1, gen.PAD_MULTIPLE), np.int32)
         tokens[0, 0] = 42
-        logits, _ = gen.prefill_chunk(smol.params, smol.config, jnp.asarray(tokens),
-                                      jnp.asarray([n], jnp.int32), jnp.zeros(1, jnp.int32), cache)
+        logits, _ = gen.prefill(smol.params, smol.config, tokens, np.asarray([1]), cache,
+                                np.asarray([n]))
         return np.asarray(logits)
 
     want = next_logits(filled(smol, spec, [prompt], slots))
     np.testing.assert_array_equal(next_logits(restored), want)
-    reused = tqjax.generate(smol, prompt, max_new_tokens=8, cache=spec, prompt_cache=path)
+    reused = tqjax.generate(smol, prompt, max_new_tokens=new, cache=spec, prompt_cache=path)
     assert reused.cached_tokens == n - 1 and reused.token_ids == plain.token_ids

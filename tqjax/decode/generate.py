@@ -297,7 +297,9 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     written = tokens.shape[1]  # prefill writes whole (padded) chunks
     if written > PREFILL_CHUNK:
         written = -(-written // PREFILL_CHUNK) * PREFILL_CHUNK
-    slots = max(limit, int(start.max()) + written)
+    # past the limit, the slot count stays on the padding grid: each distinct count is
+    # another decode-step compilation (a restored prompt of any length would make one)
+    slots = max(limit, padded_length(int(start.max()) + written))
     cache = _start_cache(params, config, cache_spec, batch, slots, calibration, cache)
     slots = cache.slots
     keys, rows = row_keys(sampling.seed, batch), row_sampling([sampling] * batch)
