@@ -369,7 +369,7 @@ def test_ragged_turbo4_batch_rows_match_running_alone():
     every row's prefill logits and greedy continuation are the ones it gets alone, so a
     shorter row's padded tail never reaches its attention."""
     from tqjax.decode.calibrate import calibrate
-    from tqjax.decode.generate import generate_tokens, new_cache, prefill
+    from tqjax.decode.generate import generate_tokens, new_cache, padded_length, prefill
     from tqjax.decode.sampling import SamplingParams
 
     model = tqjax.load(GOLDEN / "tiny" / "qwen3")  # head_dim 32
@@ -380,7 +380,8 @@ def test_ragged_turbo4_batch_rows_match_running_alone():
     calib = calibrate(p, c, rng.integers(0, c.vocab_size, 64).tolist())
 
     def last_logits(batch, cache_spec=spec):
-        tokens = np.zeros((len(batch), max(map(len, batch))), np.int32)
+        # padded as generate pads: one prefill shape per batch size, shared with `greedy`
+        tokens = np.zeros((len(batch), padded_length(max(map(len, batch)))), np.int32)
         for b, ids in enumerate(batch):
             tokens[b, :len(ids)] = ids
         cache = new_cache(p, c, cache_spec, len(batch), 64, calib)
