@@ -3,6 +3,7 @@
 import json
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ from .conftest import GOLDEN
 
 NAMES = sorted(p.name for p in (GOLDEN / "tiny").iterdir() if p.is_dir())
 TOL = 1e-4
+# forward jitted as the product runs it (eager, every attention loop compiles on its own:
+# 3-4x the time)
+step = jax.jit(forward, static_argnums=(1,))
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -43,12 +47,12 @@ def test_prefill_then_token_by_token_decode(case):
     b, t = ids.shape
     split = 5
     cache = new_cache(model.params, model.config, tqjax.CacheSpec(), b, t)
-    logits, cache = forward(model.params, model.config, jnp.asarray(ids[:, :split]),
-                            jnp.zeros(b, jnp.int32), cache)
+    logits, cache = step(model.params, model.config, jnp.asarray(ids[:, :split]),
+                         jnp.zeros(b, jnp.int32), cache)
     got = [np.asarray(logits)]
     for pos in range(split, t):
-        logits, cache = forward(model.params, model.config, jnp.asarray(ids[:, pos:pos + 1]),
-                                jnp.full(b, pos, jnp.int32), cache)
+        logits, cache = step(model.params, model.config, jnp.asarray(ids[:, pos:pos + 1]),
+                             jnp.full(b, pos, jnp.int32), cache)
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=TOL, rtol=0)
 
@@ -61,12 +65,12 @@ def test_ragged_batch_matches_unbatched(case):
     tokens = ids.copy()
     tokens[1, lengths[1]:] = 0  # padding
     cache = new_cache(model.params, model.config, tqjax.CacheSpec(), 2, ids.shape[1] + 4)
-    logits, cache = forward(model.params, model.config, jnp.asarray(tokens),
-                            jnp.zeros(2, jnp.int32), cache)
+    logits, cache = step(model.params, model.config, jnp.asarray(tokens),
+                         jnp.zeros(2, jnp.int32), cache)
     np.testing.assert_allclose(np.asarray(logits)[1, :9], want[1, :9], atol=TOL, rtol=0)
     # decode one more step for the short row at its own position: matches HF's next logits
     nxt = jnp.asarray([[ids[0, -1]], [ids[1, 9]]])
-    logits, _ = forward(model.params, model.config, nxt, jnp.asarray([15, 9], jnp.int32), cache)
+    logits, _ = step(model.params, model.config, nxt, jnp.asarray([15, 9], jnp.int32), cache)
     np.testing.assert_allclose(np.asarray(logits)[1, 0], want[1, 9], atol=TOL, rtol=0)
 
 
