@@ -3,6 +3,7 @@ the cache, every store gives the plain softmax attention of its own reconstructi
 past the longest live length are never read."""
 
 import dataclasses
+import functools
 import re
 
 import chex
@@ -20,6 +21,13 @@ from .test_kv import HD, KV, G, random_calibration, window_attention
 
 B, S, BLOCK = 2, 72, 16  # 72 slots: four whole blocks and an overlapping last one
 INV_FREQ = (1.0 / 10000 ** (np.arange(0, HD, 2) / HD)).astype(np.float32)
+
+
+def jitted_attend():
+    """`attend` on the XLA path, jitted as the model runs it; a new function per call, so a
+    test's monkeypatched block sizes are traced afresh (eager, each attention loop would
+    compile on its own)."""
+    return jax.jit(functools.partial(attend, backend="xla"))
 
 
 def reference(q, k, v, start):
@@ -56,12 +64,13 @@ def test_blockwise_equals_softmax_on_reconstruction(spec, monkeypatch):
     layer = make_cache(spec, batch=B, slots=S, num_layers=1, kv_heads=KV, head_dim=HD,
                        calibration=random_calibration(rng), inv_freq=INV_FREQ).layers[0]
     steps = [(13, [0, 0]), (30, [13, 9]), (1, [70, 39]), (1, [71, 40])]
+    att = jitted_attend()
     for t, start in steps:
         start = jnp.asarray(start, jnp.int32)
         q = jnp.asarray(rng.normal(size=(B, t, KV * G, HD)), jnp.float32)
         k = jnp.asarray(rng.normal(size=(B, t, KV, HD)) * 2 + 1, jnp.float32)
         v = jnp.asarray(rng.normal(size=(B, t, KV, HD)), jnp.float32)
-        out, layer = attend(layer, q, k, v, start, backend="xla")
+        out, layer = att(layer, q, k, v, start)
         want = reference(q, materialize(layer.k), materialize(layer.v), start)
         tol = 1e-2 if {"bf16", "f16"} & {spec.k, spec.v} else 2e-4
         np.testing.assert_allclose(np.asarray(out), want, atol=tol, rtol=tol)
@@ -85,12 +94,12 @@ def test_decode_in_large_then_small_blocks(name, monkeypatch):
     zero = jnp.zeros(B, jnp.int32)
     layer = kvc.LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), zero),
                            kvs.write(layer.v, v.transpose(0, 2, 1, 3), zero))
+    att = jitted_attend()
     for pos in ([20, 31], [31, 63], [40, 70], [55, 10], [71, 5]):
         pos = jnp.asarray(pos, jnp.int32)
         q = jnp.asarray(rng.normal(size=(B, 1, KV * G, HD)), jnp.float32)
         rows = jnp.arange(B)
-        out, _ = attend(layer, q, k[rows, pos][:, None], v[rows, pos][:, None], pos,
-                        backend="xla")
+        out, _ = att(layer, q, k[rows, pos][:, None], v[rows, pos][:, None], pos)
         want = reference(q, materialize(layer.k), materialize(layer.v), pos)
         np.testing.assert_allclose(np.asarray(out), want, atol=2e-4, rtol=2e-4)
 
@@ -106,12 +115,13 @@ def test_blockwise_with_recent_window(block, monkeypatch):
     k_exact = jnp.zeros((B, KV, 40, HD))
     v_exact = jnp.zeros((B, KV, 40, HD))
     steps = [(13, [0, 0], [0, 0]), (1, [13, 9], [5, 5]), (20, [14, 10], [6, 5])]
+    att = jitted_attend()
     for t, start, lo in steps:
         start = jnp.asarray(start, jnp.int32)
         q = jnp.asarray(rng.normal(size=(B, t, KV * G, HD)), jnp.float32)
         k = jnp.asarray(rng.normal(size=(B, t, KV, HD)) * 2 + 1, jnp.float32)
         v = jnp.asarray(rng.normal(size=(B, t, KV, HD)), jnp.float32)
-        out, layer = attend(layer, q, k, v, start, backend="xla")
+        out, layer = att(layer, q, k, v, start)
         for row in range(B):
             s0 = int(start[row])
             k_exact = k_exact.at[row, :, s0:s0 + t].set(k[row].transpose(1, 0, 2))
