@@ -3,6 +3,7 @@ float64 decoding of the store's raw fields (np.unpackbits, scipy's Hadamard matr
 formula), memory accounting against the arrays' real sizes, and clear errors for bad specs."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -328,12 +329,13 @@ def test_recent_window_reads_exact_copies(backend):
     k_exact = jnp.zeros((B, KV, S, HD))
     v_exact = jnp.zeros((B, KV, S, HD))
     steps = [(13, [0, 0], [0, 0]), (1, [13, 9], [5, 5]), (1, [14, 10], [6, 5])]
+    att = jax.jit(functools.partial(attend, backend=backend))
     for t, start, lo in steps:
         start = jnp.asarray(start, jnp.int32)
         q = jnp.asarray(rng.normal(size=(B, t, KV * G, HD)), jnp.float32)
         k = jnp.asarray(rng.normal(size=(B, t, KV, HD)) * 2 + 1, jnp.float32)
         v = jnp.asarray(rng.normal(size=(B, t, KV, HD)), jnp.float32)
-        out, layer = attend(layer, q, k, v, start, backend=backend)
+        out, layer = att(layer, q, k, v, start)
         for row in range(B):
             s0 = int(start[row])
             k_exact = k_exact.at[row, :, s0:s0 + t].set(k[row].transpose(1, 0, 2))
@@ -354,11 +356,12 @@ def test_recent_window_same_in_one_chunk_or_many():
     q = jnp.asarray(rng.normal(size=(B, 30, KV * G, HD)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(B, 30, KV, HD)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(B, 30, KV, HD)), jnp.float32)
-    whole, _ = attend(empty, q, k, v, jnp.zeros(B, jnp.int32))
+    att = jax.jit(attend)  # as the model runs it (eager, each loop compiles on its own)
+    whole, _ = att(empty, q, k, v, jnp.zeros(B, jnp.int32))
     layer, parts = empty, []
     for c in range(0, 30, 7):
-        out, layer = attend(layer, q[:, c:c + 7], k[:, c:c + 7], v[:, c:c + 7],
-                            jnp.full(B, c, jnp.int32))
+        out, layer = att(layer, q[:, c:c + 7], k[:, c:c + 7], v[:, c:c + 7],
+                         jnp.full(B, c, jnp.int32))
         parts.append(out)
     chex.assert_trees_all_close(jnp.concatenate(parts, axis=1), whole, atol=1e-5, rtol=1e-5)
 
