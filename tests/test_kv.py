@@ -162,11 +162,12 @@ def test_attention_equals_attention_on_reconstruction(spec):
                        calibration=cal, inv_freq=inv_freq.astype(np.float32))
     layer = cache.layers[0]
     start = jnp.asarray([0, 0], jnp.int32)
+    att = jax.jit(attend)
     for t, st in ((13, start), (1, jnp.asarray([13, 9], jnp.int32))):
         q = jnp.asarray(rng.normal(size=(B, t, KV * G, HD)), jnp.float32)
         k = jnp.asarray(rng.normal(size=(B, t, KV, HD)) * 2 + 1, jnp.float32)
         v = jnp.asarray(rng.normal(size=(B, t, KV, HD)), jnp.float32)
-        out, layer = attend(layer, q, k, v, st)
+        out, layer = att(layer, q, k, v, st)
         keys, values = np_dense(layer.k), np_dense(layer.v)
         want = dense_attention(q, keys, values, st)
         tol = 1e-2 if "bf16" in (spec.k, spec.v) else 2e-4  # bf16 stores mix with bf16 weights
