@@ -49,6 +49,7 @@ def run(argv: list[str] | None = None) -> int:
     from tqjax.eval import perplexity
     from tqjax.fetch import corpus_text
     from tqjax.pallas.backend import use_backend
+    from tqjax.sharding import device_bytes
 
     spec = cache_spec(args)
     mesh = model_mesh(args)
@@ -84,7 +85,8 @@ def run(argv: list[str] | None = None) -> int:
            "windows": res.windows, "ctx": args.ctx_size, "text": source,
            "model": model.source, "dtype": args.dtype,
            "cache_type_k": spec.k, "cache_type_v": spec.v, "backend": args.backend,
-           "tp": args.tp, "dp": args.dp, **kv_footprint(model, spec, args.ctx_size),
+           "tp": args.tp, "dp": args.dp, "devices": len(device_bytes(model.params)),
+           **kv_footprint(model, spec, args.ctx_size),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:
         out |= {"reference": reference_name, "kl": res.kl, "top1": res.top1,
