@@ -8,12 +8,13 @@ With `--first-order`, each quantized run's ΔNLL is also split into g·Δ, the f
     python scripts/weights_table.py --models smollm2-135m-instruct --texts shakespeare:macbeth \
         --runs int8,int4,tq4 --ctx-size 2048 --max-tokens 8192 --out weights_table.json
 
-Writes the JSON (rewritten atomically after every model and text, so a long run can be read
-while it goes) and a markdown table next to it (`.md`): one table per model and text, then, for a
-model measured on several texts, one pooled over all of them (every predicted token weighs the
-same). `--report A.json [B.json ...]` only prints the tables of saved runs, merged. GPTQ and
-mixed-precision runs calibrate on `tqjax.models.calibration.calibration_corpus()`, which never
-overlaps the evaluation texts.
+Each run is measured as soon as it is quantized (one quantized copy held at a time; the f32
+model runs again beside each as the reference). Writes the JSON (rewritten atomically after
+every run and text, so a long run can be read while it goes) and a markdown table next to it
+(`.md`): one table per model and text, then, for a model measured on several texts, one pooled
+over all of them (every predicted token weighs the same). `--report A.json [B.json ...]` only prints
+the tables of saved runs, merged. GPTQ and mixed-precision runs calibrate on
+`tqjax.models.calibration.calibration_corpus()`, which never overlaps the evaluation texts.
 """
 
 from __future__ import annotations
@@ -131,6 +132,43 @@ def report_rows(paths: list[Path]) -> list[dict]:
     return list(merged.values())
 
 
+def measure(report: dict, name: str, model: object, texts: dict[str, list[int]],
+            group: dict, args: object, save: object) -> None:
+    """Append to report["rows"] the rows of the (model, cache) variants in `group` on every
+    text, against the f32 `model` (its own row only when `group` holds "f32"); save() after
+    each text."""
+    import tqjax
+    from tqjax.api import kv_footprint
+    from tqjax.eval import sweep
+    from tqjax.quant.accounting import params_bits
+    from tqjax.research.first_order import first_order_nll
+
+    ref = {"f32": (model, tqjax.CacheSpec())}
+    for text, ids in texts.items():
+        results = sweep(ids, args.ctx_size, ref | group, reference="f32")
+        for run, res in results.items():
+            if run not in group:
+                continue
+            m, spec = group[run]
+            bits, kv = params_bits(m.params), kv_footprint(m, spec)
+            kv_8k = KV_CONTEXT * kv["kv_bytes_per_token"] + kv["kv_constant_bytes"]
+            report["rows"].append({
+                "model": name, "text": text, "run": run, "kv": spec.k + "/" + spec.v,
+                "bpw": bits["quantized_bpw"] if run.split("+")[0] != "f32" else 32.0,
+                "bpw_overall": bits["bpw"], "params_bytes": bits["bytes"],
+                "kv_bytes_per_token": kv["kv_bytes_per_token"],
+                "total_bytes_8k": bits["bytes"] + kv_8k,
+                "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / results["f32"].ppl - 1),
+                "dppl_se_pct": res.dppl_se_pct, "kl": res.kl,
+                "top1": res.top1, "nll_delta": res.nll_delta, "tokens": res.tokens,
+                "windows": res.windows})
+            if args.first_order and m.params is not model.params and spec == tqjax.CacheSpec():
+                g = first_order_nll(model, m.params, ids, args.ctx_size)
+                report["rows"][-1] |= {"first_order": g, "nll_rest": res.nll_delta - g}
+            print(json.dumps(report["rows"][-1]), flush=True)
+        save()
+
+
 def main() -> int:
     from tqjax.models.calibration import CALIBRATION_CHARS, CALIBRATION_WINDOWS
 
@@ -166,16 +204,13 @@ def main() -> int:
     import dataclasses
 
     import tqjax
-    from tqjax.api import kv_footprint
     from tqjax.atomic import write_text
-    from tqjax.eval import sweep
     from tqjax.fetch import corpus_text
     from tqjax.kv.cache import parse_kv
     from tqjax.models.calibration import calibration_corpus, calibration_windows
     from tqjax.models.checkpoint import save_quantized
     from tqjax.models.quantize import WeightSpec, get_path, linear_paths, quantize_params
     from tqjax.quant.accounting import params_bits
-    from tqjax.research.first_order import first_order_nll
 
     if args.calibration_chars < 1:
         raise tqjax.TqjaxError(f"--calibration-chars must be >= 1, got {args.calibration_chars}")
@@ -202,7 +237,13 @@ def main() -> int:
         report["models"][name] = info
         windows = calibration_windows(model.tokenizer, calibration_corpus(args.calibration_chars),
                                       args.calibration_windows, args.calibration_length)
-        variants = {"f32": (model, tqjax.CacheSpec())}
+        texts = {text: model.tokenizer.encode(corpus_text(text))[:args.max_tokens]
+                 for text in args.texts.split(",")}
+        f32 = {"f32": (model, tqjax.CacheSpec())}
+        # the f32 model first (with the KV cache), then each run measured as soon as it is
+        # made and dropped after: one quantized copy held at a time, rows saved as they come
+        first = {f"f32+kv {args.kv}": (model, kv_spec)} if kv_spec else {}
+        measure(report, name, model, texts, f32 | first, args, save)
         for run in runs:
             method, bpw, calibrated, embeddings = RUNS[run]
             spec = WeightSpec(method, bpw=bpw, quantize_embeddings=embeddings, seed=args.seed)
@@ -224,38 +265,15 @@ def main() -> int:
                     entry |= {"checkpoint_load_seconds": time.perf_counter() - t0,
                               "disk": meta["disk"]}
             info["runs"][run] = entry
-            variants[run] = (dataclasses.replace(model, params=params), tqjax.CacheSpec())
             print(json.dumps({"model": name, "run": run, "bpw": entry["memory"]["quantized_bpw"],
                               "seconds": round(entry["quantize_seconds"], 1)}), flush=True)
-        if kv_spec is not None:
-            variants[f"f32+kv {args.kv}"] = (model, kv_spec)
-            for run in ("tq4", "tq4-emb"):
-                if run in variants:
-                    variants[f"{run}+kv {args.kv}"] = (variants[run][0], kv_spec)
-        save()
-        for text in args.texts.split(","):
-            ids = model.tokenizer.encode(corpus_text(text))[:args.max_tokens]
-            results = sweep(ids, args.ctx_size, variants, reference="f32")
-            base = results["f32"].ppl
-            for run, res in results.items():
-                m, spec = variants[run]
-                bits, kv = params_bits(m.params), kv_footprint(m, spec)
-                kv_8k = KV_CONTEXT * kv["kv_bytes_per_token"] + kv["kv_constant_bytes"]
-                report["rows"].append({
-                    "model": name, "text": text, "run": run, "kv": spec.k + "/" + spec.v,
-                    "bpw": bits["quantized_bpw"] if run.split("+")[0] != "f32" else 32.0,
-                    "bpw_overall": bits["bpw"], "params_bytes": bits["bytes"],
-                    "kv_bytes_per_token": kv["kv_bytes_per_token"],
-                    "total_bytes_8k": bits["bytes"] + kv_8k,
-                    "ppl": res.ppl, "dppl_pct": 100 * (res.ppl / base - 1),
-                    "dppl_se_pct": res.dppl_se_pct, "kl": res.kl,
-                    "top1": res.top1, "nll_delta": res.nll_delta, "tokens": res.tokens,
-                    "windows": res.windows})
-                if args.first_order and m.params is not model.params and spec == tqjax.CacheSpec():
-                    g = first_order_nll(model, m.params, ids, args.ctx_size)
-                    report["rows"][-1] |= {"first_order": g, "nll_rest": res.nll_delta - g}
-                print(json.dumps(report["rows"][-1]), flush=True)
-            save()
+            quantized = dataclasses.replace(model, params=params)
+            group = {run: (quantized, tqjax.CacheSpec())}
+            if kv_spec is not None and run in ("tq4", "tq4-emb"):
+                group[f"{run}+kv {args.kv}"] = (quantized, kv_spec)
+            del params, quantized
+            measure(report, name, model, texts, group, args, save)
+            del group
     print(markdown(report["rows"]))
     return 0
 

@@ -207,6 +207,27 @@ def test_weights_table_pools_texts_by_token():
     assert "| q | 4.2500 | f32/f32 | — |" in table["markdown"](rows)
 
 
+def test_weights_table_measures_each_run_against_f32(tiny_model, tmp_path):
+    """A quantized run and the KV variant, each measured as it is made: one row per variant
+    (the f32 model's once), each ΔPPL that row's PPL against the f32 row's."""
+    out = tmp_path / "w.json"
+    proc = run("weights_table.py", "--models", tiny_model, "--texts", "python-stdlib",
+               "--runs", "int8,tq4-free", "--kv", "turbo4", "--ctx-size", 128, "--max-tokens",
+               384, "--checkpoint-run", "", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {r["run"]: r for r in report["rows"]}
+    assert len(report["rows"]) == 4
+    assert set(rows) == {"f32", "f32+kv turbo4", "int8", "tq4-free"}
+    assert set(report["models"][str(tiny_model)]["runs"]) == {"int8", "tq4-free"}
+    for r in rows.values():
+        assert r["tokens"] == 381
+        assert r["dppl_pct"] == pytest.approx(100 * (r["ppl"] / rows["f32"]["ppl"] - 1))
+    assert rows["f32"]["kl"] == 0 and min(rows[r]["kl"] for r in ("int8", "tq4-free")) > 0
+    assert rows["int8"]["bpw"] < 9 and rows["tq4-free"]["bpw"] < 5
+    assert "| tq4-free |" in out.with_suffix(".md").read_text()
+
+
 def test_weights_table_report_rejects_other_files(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"rows": [{"model": "m"}]}')
