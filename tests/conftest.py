@@ -20,12 +20,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    _heaviest_files_first(items)
     if config.getoption("--run-large") or os.environ.get("TQJAX_TEST_LARGE") == "1":
         return
     skip = pytest.mark.skip(reason="large model: --run-large or TQJAX_TEST_LARGE=1 runs it")
     for item in items:
         if "large" in item.keywords:
             item.add_marker(skip)
+
+
+def _heaviest_files_first(items: list) -> None:
+    """Order the test files by their real-model (`slow`) tests, then by their number of tests,
+    most first, each file's own order kept. The xdist workers take whole files (`--dist
+    loadfile`, pyproject.toml) in this order, so the long files start first and the short ones
+    fill in at the end (xdist's own order, by number of tests only, started the real-model
+    files last and left one worker idle for minutes)."""
+    weight: dict[str, list[int]] = {}
+    for item in items:
+        w = weight.setdefault(item.nodeid.split("::")[0], [0, 0])
+        w[0] += item.get_closest_marker("slow") is not None
+        w[1] += 1
+    rank = {f: i for i, f in enumerate(sorted(weight, key=lambda f: (-weight[f][0],
+                                                                     -weight[f][1], f)))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: keeps each file's
 
 
 @pytest.fixture(scope="session")
