@@ -61,17 +61,23 @@ def test_rotation_is_orthogonal_and_inverted(d):
     assert rot.dim == d
 
 
-def test_rotation_is_randomized_hadamard():
-    d = 16
+@pytest.mark.parametrize("d,dtype", [(16, jnp.float32), (64, jnp.float32), (256, jnp.float32),
+                                     (512, jnp.float32), (64, jnp.bfloat16)])
+def test_rotation_is_randomized_hadamard(d, dtype):
+    """Both forms of the transform (a matmul for f32 up to MATMUL_MAX_DIM = 256 channels, the
+    butterfly for wider or other dtypes) against H built here in float64."""
     h = np.array([[1.0]])
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
     rot = make_rotation(d, seed=5)
     x = np.random.default_rng(1).standard_normal((3, d)).astype(np.float32)
-    expected = (x * np.asarray(rot.signs)) @ h.T / math.sqrt(d)
-    chex.assert_trees_all_close(rotate(jnp.asarray(x), rot), expected, atol=1e-5)
-    twice = hadamard_transform(hadamard_transform(jnp.asarray(x)))
-    chex.assert_trees_all_close(twice, x, atol=1e-5)
+    expected = (x.astype(np.float64) * np.asarray(rot.signs)) @ h.T / math.sqrt(d)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    got = rotate(jnp.asarray(x, dtype), rot)
+    assert got.dtype == dtype
+    chex.assert_trees_all_close(np.asarray(got, np.float64), expected, atol=tol)
+    twice = hadamard_transform(hadamard_transform(jnp.asarray(x, dtype)))
+    chex.assert_trees_all_close(np.asarray(twice, np.float64), x, atol=2 * tol)
     assert set(np.unique(np.asarray(rot.signs))) == {-1.0, 1.0}
 
 

@@ -45,17 +45,34 @@ def make_rotation(dim: int, seed: int) -> Rotation:
     return Rotation(signs=jnp.asarray(signs, dtype=jnp.float32), matrix=matrix)
 
 
+# f32 transforms of up to this many channels are one matmul by H/√d: one XLA operation,
+# where the butterfly's log2(d) stages compile as as many fusions (a SmolLM2 turbo4 decode
+# step had 36 per layer); wider ones, and other dtypes, take the butterfly
+MATMUL_MAX_DIM = 256
+
+
+def hadamard_matrix(d: int) -> np.ndarray:
+    """H/√d, the normalised Sylvester–Hadamard matrix of size d (a power of two), f32 [d, d]."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (h / math.sqrt(d)).astype(np.float32)
+
+
 @jax.jit
 def hadamard_transform(x: jax.Array) -> jax.Array:
     """Normalised fast Walsh–Hadamard transform H·x/√d along the last axis.
 
     x: [..., d] float, d a power of two. Returns the same shape and dtype. H is symmetric and
-    (H/√d)² = I, so this is its own inverse. log2(d) butterfly stages, each a reshape to
+    (H/√d)² = I, so this is its own inverse. f32 with d <= `MATMUL_MAX_DIM`: a matmul by
+    `hadamard_matrix(d)`; otherwise log2(d) butterfly stages, each a reshape to
     [..., blocks, 2, half] and a sum/difference of the two halves.
     """
     d = x.shape[-1]
     if d < 1 or d & (d - 1):
         raise TqjaxError(f"the Walsh–Hadamard transform needs a power-of-two last axis, got {d}")
+    if x.dtype == jnp.float32 and d <= MATMUL_MAX_DIM:
+        return jnp.matmul(x, jnp.asarray(hadamard_matrix(d)), precision=jax.lax.Precision.HIGHEST)
     lead = x.shape[:-1]
     half = 1
     while half < d:
