@@ -220,7 +220,10 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         x = add(x, heads, lp.wo)
         hn = [_norm(xi, dense.mlp_norm, eps) for xi in x]
         lp = stage(lp, i, ("w_gate", "w_up"), hn)
-        gated = [_gated(lp, h) for h in hn]
+        # the dense layer with only the quantized gate/up swapped in: its compilation is keyed
+        # on those two formats, not on every other field's (mixed: one per layer otherwise)
+        mlp_in = dense.replace(w_gate=lp.w_gate, w_up=lp.w_up)
+        gated = [_gated(mlp_in, h) for h in hn]
         lp = stage(lp, i, ("w_down",), gated)
         x = add(x, gated, lp.w_down)
         layers.append(lp)
