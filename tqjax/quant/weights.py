@@ -356,6 +356,21 @@ def _assign(x: jax.Array, lut: jax.Array) -> jax.Array:
     return code.astype(jnp.uint8)
 
 
+def _nearest(x: jax.Array, lut: jax.Array) -> jax.Array:
+    """lut[_assign(x, lut)]: the nearest lut value to each element of x f32 (lut ascending,
+    concrete) -> f32, the same values. Up to 16 levels it is a chain of compares and selects,
+    which XLA fuses into one loop; the gather of codes it replaces is ~5x slower on CPU (one
+    step of the "tq" scale search on a 576 x 1536 weight: 8.6 -> 1.6 ms)."""
+    if lut.shape[0] > 16:
+        return lut[_assign(x, lut)]
+    levels = np.asarray(lut, np.float32)
+    mids = np.float32(0.5) * (levels[1:] + levels[:-1])  # as `_assign` computes them
+    out = jnp.full(x.shape, levels[0], jnp.float32)
+    for mid, level in zip(mids, levels[1:], strict=True):
+        out = jnp.where(x > mid, level, out)
+    return out
+
+
 def _safe(x: jax.Array) -> jax.Array:
     return jnp.where(x != 0, x, 1.0)
 
@@ -380,7 +395,7 @@ def _fit_groups(v: jax.Array, h: jax.Array, lut: jax.Array,
 
     def error(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         s = _safe(scale)[..., None, :]
-        c = lut[_assign(v / s, lut)]
+        c = _nearest(v / s, lut)
         return jnp.sum(h * (v - s * c) ** 2, axis=-2), c
 
     def search(best: tuple[jax.Array, jax.Array], alpha: jax.Array) -> tuple:
