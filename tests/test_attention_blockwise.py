@@ -104,37 +104,6 @@ def test_decode_in_large_then_small_blocks(name, monkeypatch):
         np.testing.assert_allclose(np.asarray(out), want, atol=2e-4, rtol=2e-4)
 
 
-def test_dense_decode_reads_a_mostly_live_store_whole(monkeypatch):
-    """Decode over f32 stores at least 7/8 live reads every slot at once (`whole`), below that
-    it walks the live blocks: both give softmax attention at the boundary (63 and 62 live of 72
-    slots) and past it, and a walk never reads the NaN put in the slots past its last block
-    (the whole read would: 0 · NaN)."""
-    monkeypatch.setattr(kvc, "BLOCK", 8)
-    rng = np.random.default_rng(11)
-    spec = CacheSpec("f32", "f32", recent_tokens=0)
-    layer = make_cache(spec, batch=B, slots=S, num_layers=1, kv_heads=KV, head_dim=HD).layers[0]
-    assert kvc._in_place(layer.k) and not kvc._in_place(
-        make_cache(CacheSpec("bf16"), batch=1, slots=8, num_layers=1, kv_heads=KV,
-                   head_dim=HD).layers[0].k)
-    k = jnp.asarray(rng.normal(size=(B, S, KV, HD)) * 2 + 1, jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, S, KV, HD)), jnp.float32)
-    zero = jnp.zeros(B, jnp.int32)
-    full = kvc.LayerCache(kvs.write(layer.k, k.transpose(0, 2, 1, 3), zero),
-                          kvs.write(layer.v, v.transpose(0, 2, 1, 3), zero))
-    att, rows = jitted_attend(), jnp.arange(B)
-    for pos in ([62, 3], [61, 20], [71, 40], [18, 17]):  # live 63 (whole), 62 (walk), 72, 19
-        pos = jnp.asarray(pos, jnp.int32)
-        cut = int(pos.max()) + 1
-        end = -(-cut // 8) * 8  # a walk reads whole blocks of 8, none past the live one
-        nan = full if cut * 8 >= 7 * S else kvc.LayerCache(
-            kvs.DenseStore(full.k.data.at[:, :, end:].set(jnp.nan)),
-            kvs.DenseStore(full.v.data.at[:, :, end:].set(jnp.nan)))
-        q = jnp.asarray(rng.normal(size=(B, 1, KV * G, HD)), jnp.float32)
-        out, _ = att(nan, q, k[rows, pos][:, None], v[rows, pos][:, None], pos)
-        want = reference(q, materialize(full.k), materialize(full.v), pos)
-        np.testing.assert_allclose(np.asarray(out), want, atol=2e-4, rtol=2e-4)
-
-
 @pytest.mark.parametrize("block", [8, 16, 512])
 def test_blockwise_with_recent_window(block, monkeypatch):
     """turbo3 K/V, an 8-token exact window and 2 sink slots, at several block sizes."""

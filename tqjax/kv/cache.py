@@ -16,8 +16,7 @@ comparisons at equal help.
 Attention on the XLA path (`blockwise_attention`) walks the live slots in blocks of `BLOCK`
 (decode: `DECODE_BLOCK` over the live length rounded to them) with an online softmax, so
 its cost and memory follow the longest live sequence, not the allocated slots, and no store is
-ever dequantized whole. The one exception is a decode step over f32 stores that are at least
-7/8 live: those are read whole, in place (cheaper on CPU than copying out the live blocks).
+ever dequantized whole.
 """
 
 from __future__ import annotations
@@ -445,9 +444,7 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
     values f32 [B, KV, W, hd] and positions int32 [B, W] (-1: none), those at positions in
     (bound, qpos] visible (qpos int32 [B, N]: each row's position). Only blocks up to the largest
     bound are read, and each block is dequantized (or scored in the store's basis) on its own:
-    no [S, hd] f32 copy of a store and no [N, S] score matrix. Decode rows over f32 stores at
-    least 7/8 live read every slot at once instead (no copy; slots past a row's bound must
-    hold finite values, as zeros or an earlier sequence's keys do). Returns f32 [B, KV, N, hd].
+    no [S, hd] f32 copy of a store and no [N, S] score matrix. Returns f32 [B, KV, N, hd].
     """
     b, kvh, n, hd = q.shape
     scale = 1.0 / hd**0.5
@@ -517,43 +514,18 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
 
         return jax.lax.fori_loop(0, most, maybe_step, carry)
 
+    first = jnp.int32(0)
     live = jnp.max(bound) + 1  # slots any row can see
-
-    def walk(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        """The live slots block by block."""
-        first = jnp.int32(0)
-        size = attention_block(slots)
-        most = -(-slots // size)
-        if n <= DECODE_ROWS and slots >= 2 * DECODE_BLOCK > 2 * size:  # large steps first
-            # as many large blocks as the live length rounds to: a tail of half a large block
-            # or more takes one more large block (reading past the live length) instead of 2-4
-            big = (live + DECODE_BLOCK // 2) // DECODE_BLOCK
-            carry = blocks(carry, first, big, DECODE_BLOCK, -(-slots // DECODE_BLOCK))
-            first, most = big * DECODE_BLOCK, -(-DECODE_BLOCK // 2 // size)
-        return blocks(carry, first, (live - first + size - 1) // size, size, most)
-
-    def whole(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        """Every slot at once, the stores read in place."""
-        idx = jnp.arange(slots)
-        visible = ((idx[None, None, :] >= head) & (idx[None, None, :] <= bound[:, :, None])
-                   )[:, None]  # [B, 1, N, S]
-        return fold(carry, jnp.int32(0), slots, visible)
-
-    if n <= DECODE_ROWS and _in_place(k_rest) and _in_place(v_rest):
-        # XLA on CPU copies each block out of the store before its dot reads it (the slice
-        # does not fuse into the dot), so a walk moves ~3x the live bytes; reading every slot
-        # in place moves the allocation once. Per layer, whole vs walk broke even at 67-80%
-        # live on SmolLM2's shapes (8k, 16k slots) and 85-93% on Qwen2.5-0.5B's (16k)
-        carry = jax.lax.cond(8 * live >= 7 * slots, whole, walk, carry)
-    else:
-        carry = walk(carry)
-    _, lsum, acc = carry
+    size = attention_block(slots)
+    most = -(-slots // size)
+    if n <= DECODE_ROWS and slots >= 2 * DECODE_BLOCK > 2 * size:  # large steps first
+        # as many large blocks as the live length rounds to: a tail of half a large block or
+        # more takes one more large block (reading past the live length) instead of 2-4 small
+        big = (live + DECODE_BLOCK // 2) // DECODE_BLOCK
+        carry = blocks(carry, first, big, DECODE_BLOCK, -(-slots // DECODE_BLOCK))
+        first, most = big * DECODE_BLOCK, -(-DECODE_BLOCK // 2 // size)
+    _, lsum, acc = blocks(carry, first, (live - first + size - 1) // size, size, most)
     return acc / lsum[..., None]
-
-
-def _in_place(store: object) -> bool:
-    """Whether `scores`/`mix` read the store's own array as it is (dense f32: no conversion)."""
-    return isinstance(store, kvs.DenseStore) and store.data.dtype == jnp.float32
 
 
 def parse_kv(text: str) -> tuple[str, str]:
