@@ -199,6 +199,20 @@ def test_backend_switch_retraces_and_rejects_unknown_names():
         linear(x, w, backend="cuda")
 
 
+def test_auto_backend_is_xla_on_cpu_and_pallas_on_gpu(monkeypatch):
+    """"auto" (the CLI's default) resolves by JAX's default device: XLA here, Pallas where
+    JAX runs on a GPU (the first GPU run measured every decode configuration faster there)."""
+    from tqjax.pallas import backend
+
+    assert backend.auto() == "xla" and backend.check_backend("auto") == "xla"
+    with use_backend("auto"):
+        assert current() == "xla"
+    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
+    assert backend.check_backend("auto") == "pallas"
+    with use_backend("auto"):
+        assert current() == "pallas"
+
+
 def quantize_tq(w: jax.Array, bits: int = 4, group: int = 32) -> QuantizedLinear:
     """Round-to-nearest TurboQuant weights (rotated groups, Lloyd–Max grid, rms scale)."""
     k, n = w.shape

@@ -52,9 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", nargs="?", const=DEFAULT_KV_PRESET, default=None, metavar="K[/V]",
                    help=f"KV cache shorthand: keys' and values' types (e.g. turbo4/turbo3, "
                         f"q4_0h); alone: the default preset ({DEFAULT_KV_PRESET})")
-    p.add_argument("--backend", default="xla", choices=["xla", "pallas"],
-                   help="hot-path implementation: plain XLA or Pallas kernels "
-                        "(interpret mode on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"],
+                   help="hot-path implementation: plain XLA or Pallas kernels (interpret mode "
+                        "on CPU); auto (default): Pallas on a GPU, XLA otherwise")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallel: split attention heads, the MLP and the vocabulary over "
                         "N devices (N must divide the attention heads; on CPU, N host devices "

@@ -501,7 +501,7 @@ def run(argv: list[str] | None = None) -> int:
     import tqjax
     from tqjax.api import kv_footprint, resolve_path
     from tqjax.errors import TqjaxError
-    from tqjax.pallas.backend import use_backend
+    from tqjax.pallas.backend import check_backend, use_backend
 
     spec = cache_spec(args)
     peers = parse_peers(args.peers) + (["hf"] if args.hf and "hf" not in args.peers else [])
@@ -523,6 +523,7 @@ def run(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     rss_load = proc_status_bytes("VmRSS")
     check_sizes(args, model.config.max_position)
+    args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
     with use_backend(args.backend):
         tq = bench_tqjax(model, spec, args.prompt_tokens, context, slots, args.decode_tokens,
                          args.repeats)

@@ -53,7 +53,7 @@ def run(argv: list[str] | None = None) -> int:
     import tqjax
     from tqjax.api import kv_footprint
     from tqjax.decode.sampling import SamplingParams
-    from tqjax.pallas.backend import use_backend
+    from tqjax.pallas.backend import check_backend, use_backend
 
     # Validate every option before the (slow) model load.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
@@ -73,6 +73,7 @@ def run(argv: list[str] | None = None) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
     with use_backend(args.backend):
         result = tqjax.generate(
             model, args.prompt, max_new_tokens=args.max_new_tokens,

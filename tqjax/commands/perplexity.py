@@ -48,7 +48,7 @@ def run(argv: list[str] | None = None) -> int:
     from tqjax.errors import TqjaxError
     from tqjax.eval import perplexity
     from tqjax.fetch import corpus_text
-    from tqjax.pallas.backend import use_backend
+    from tqjax.pallas.backend import check_backend, use_backend
     from tqjax.sharding import device_bytes
 
     spec = cache_spec(args)
@@ -77,6 +77,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     t0 = time.perf_counter()
+    args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
     with use_backend(args.backend):
         res = perplexity(model, ids, args.ctx_size, cache=spec,
                          reference=tqjax.CacheSpec() if compare else None,

@@ -42,12 +42,10 @@ def run(argv: list[str] | None = None) -> int:
     import uvicorn
 
     import tqjax
-    from tqjax.pallas.backend import check_backend
     from tqjax.serve.engine import Engine
     from tqjax.serve.server import Server, create_app
 
-    spec = cache_spec(args)
-    check_backend(args.backend)
+    spec = cache_spec(args)  # (--backend is resolved by the Engine, once JAX has started)
     if not 0 < args.port < 65536:
         raise tqjax.TqjaxError(f"--port must be in 1..65535, got {args.port}")
     if args.slots < 1 or args.max_queue < 0:

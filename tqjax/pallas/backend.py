@@ -23,6 +23,7 @@ import jax
 from tqjax.errors import TqjaxError
 
 BACKENDS = ("xla", "pallas")
+CHOICES = ("auto", *BACKENDS)  # what the CLI's --backend takes; "auto" = `auto()`
 
 
 def _make_state() -> object | None:
@@ -43,10 +44,20 @@ _state = _make_state()
 _local = threading.local()
 
 
+def auto() -> str:
+    """The backend for this machine: "pallas" where JAX's default device is a GPU (on one H200
+    every decode configuration of `scripts/gpu_check.sh` ran 1.5-8x faster with it:
+    results/current/gpu/gpu_check.json), else "xla" (on CPU the kernels only interpret)."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
 def check_backend(name: str) -> str:
-    """`name` if it is a known backend, else a TqjaxError naming the choices."""
+    """`name` if it is a known backend, "auto" resolved (`auto`), else a TqjaxError naming
+    the choices."""
+    if name == "auto":
+        return auto()
     if name not in BACKENDS:
-        raise TqjaxError(f"unknown backend {name!r} (choose from: {', '.join(BACKENDS)})")
+        raise TqjaxError(f"unknown backend {name!r} (choose from: {', '.join(CHOICES)})")
     return name
 
 
@@ -62,8 +73,8 @@ def resolve(backend: str | None) -> str:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run the enclosed code (and everything it traces) with backend `name`."""
-    check_backend(name)
+    """Run the enclosed code (and everything it traces) with backend `name` ("auto": `auto`)."""
+    name = check_backend(name)
     if _state is not None:
         with _state(name):
             yield
