@@ -46,7 +46,7 @@ _local = threading.local()
 
 def auto() -> str:
     """The backend for this machine: "pallas" where JAX's default device is a GPU (on one H200
-    every decode configuration of `scripts/gpu_check.sh` ran 1.5-8x faster with it:
+    every decode configuration of `scripts/gpu_check.sh` ran 1.2-7.2x faster with it:
     results/current/gpu/gpu_check.json), else "xla" (on CPU the kernels only interpret)."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
