@@ -200,7 +200,7 @@ def test_backend_switch_retraces_and_rejects_unknown_names():
 
 
 def test_auto_backend_is_xla_on_cpu_and_pallas_on_gpu(monkeypatch):
-    """"auto" (the CLI's default) resolves by JAX's default device: XLA here, Pallas where
+    """"auto" (the default) resolves by JAX's default device: XLA here, Pallas where
     JAX runs on a GPU (the first GPU run measured every decode configuration faster there)."""
     from tqjax.pallas import backend
 
@@ -208,7 +208,7 @@ def test_auto_backend_is_xla_on_cpu_and_pallas_on_gpu(monkeypatch):
     with use_backend("auto"):
         assert current() == "xla"
     monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
-    assert backend.check_backend("auto") == "pallas"
+    assert backend.check_backend("auto") == "pallas" and current() == "pallas"  # the default
     with use_backend("auto"):
         assert current() == "pallas"
 

@@ -1,4 +1,5 @@
-"""Which implementation the hot paths use: plain XLA ("xla", the default) or the Pallas kernels.
+"""Which implementation the hot paths use: plain XLA or the Pallas kernels; by default ("auto")
+the Pallas kernels where JAX runs on a GPU and XLA elsewhere (`auto`).
 
 The choice is a static, trace-time setting, read by `tqjax.quant.weights.linear` and
 `tqjax.kv.cache.attend` when they are traced:
@@ -33,7 +34,7 @@ def _make_state() -> object | None:
         from jax._src import config as jax_config
 
         return jax_config.enum_state(
-            "tqjax_kernel_backend", list(BACKENDS), "xla",
+            "tqjax_kernel_backend", list(CHOICES), "auto",
             help="tqjax hot-path implementation: plain XLA or Pallas kernels.",
             include_in_jit_key=True, include_in_trace_context=True)
     except (ImportError, AttributeError, TypeError):
@@ -62,8 +63,9 @@ def check_backend(name: str) -> str:
 
 
 def current() -> str:
-    """The backend in effect here: the innermost `use_backend`, else "xla"."""
-    return _state.value if _state is not None else getattr(_local, "backend", "xla")
+    """The backend in effect here: the innermost `use_backend`, else `auto()`."""
+    name = _state.value if _state is not None else getattr(_local, "backend", "auto")
+    return auto() if name == "auto" else name
 
 
 def resolve(backend: str | None) -> str:

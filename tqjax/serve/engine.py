@@ -185,7 +185,7 @@ class Engine:
     """The continuous-batching loop over `slots` rows of `ctx_size` positions (a thread)."""
 
     def __init__(self, model: Model, spec: CacheSpec = CacheSpec(), slots: int = 4,
-                 ctx_size: int = 2048, max_queue: int = 64, backend: str = "xla") -> None:
+                 ctx_size: int = 2048, max_queue: int = 64, backend: str = "auto") -> None:
         if model.tokenizer is None:
             raise TqjaxError(f"{model.source} has no tokenizer; the server needs one")
         if slots < 1:
