@@ -475,3 +475,23 @@ def test_padded_prefill_keeps_each_rows_last_tokens_in_the_ring():
         alone, _ = run([prompts[b]], n)
         # float noise only (measured ~1e-5 of the largest logit; the padding in the ring: > 0.1)
         np.testing.assert_allclose(padded[b], alone[0], atol=1e-4 * np.abs(alone).max())
+
+
+def test_calibration_is_the_value_means_and_leaves_no_program_behind():
+    """`calibrate`: the value means are those of a dense cache filled by a forward pass over the
+    same ids (first SKIP_TOKENS skipped), and its one-off program is not kept compiled (an
+    XLA:CPU program stays resident while cached: ~60 MB for SmolLM2's)."""
+    from tqjax.decode import calibrate as cal_mod
+    from tqjax.models.transformer import forward
+
+    model = tqjax.load(GOLDEN / "tiny" / "qwen3")
+    p, c = model.params, model.config
+    ids = np.random.default_rng(3).integers(0, c.vocab_size, 40).tolist()
+    calib = cal_mod.calibrate(p, c, ids)
+    assert cal_mod._statistics._cache_size() == 0
+    cache = make_cache(CacheSpec(), batch=1, slots=len(ids), num_layers=c.num_layers,
+                       kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    _, cache = forward(p, c, jnp.asarray([ids], jnp.int32), jnp.zeros(1, jnp.int32), cache)
+    want = np.stack([np.asarray(layer.v.data[0, :, cal_mod.SKIP_TOKENS:], np.float64).mean(1)
+                     for layer in cache.layers])
+    np.testing.assert_allclose(calib.value_mean, want, rtol=1e-5, atol=1e-6)
