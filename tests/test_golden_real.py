@@ -23,9 +23,12 @@ NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 # "logits or perplexity"` prints them):
 # SmolLM2 7.0e-5 and 8.1e-6 (README: 1.0e-4, +0.0008%); Qwen2.5-Coder-0.5B 3.8e-5 and 2.9e-5
 # (README: +0.003%). Bounds are those figures rounded up to the next README-sized step.
+# The logit figures depend on the CPU (XLA picks other dot kernels, so f32 sums round
+# differently): on an AMD EPYC with AVX-512 (2026-12-04) SmolLM2 measures 1.04e-4 and
+# Qwen2.5-Coder-0.5B 1.9e-5, hence SmolLM2's 1.2e-4.
 # A model without its own entry gets the loosest pair.
 TOLERANCE = {
-    "smollm2-135m-instruct": (1.0e-4, 2.0e-5),
+    "smollm2-135m-instruct": (1.2e-4, 2.0e-5),
     "qwen2.5-coder-0.5b-instruct": (5.0e-5, 5.0e-5),
     # measured 2026-12-03 (f32 load, 2 windows of 256): 1.01e-4 and 6.2e-5 (+0.0062%)
     "qwen2.5-coder-1.5b-instruct": (2.0e-4, 1.0e-4),
