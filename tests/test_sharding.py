@@ -350,10 +350,12 @@ def test_sharded_logits_match_one_device(tiny):
     bad = {k: v for k, v in tiny["logits"].items() if "turbo" not in k and not v <= TOL}
     assert not bad, bad
     # TurboQuant caches: the all-reduce's summation order moves k and v by an ulp, which can
-    # move a code across a Lloyd-Max boundary: 1e-5 in norm, 2e-5 (measured 1.24e-5) at most
+    # move a code across a Lloyd-Max boundary. Which codes move depends on the CPU's dot
+    # kernels: measured at most 1.24e-5 (norm under 1e-5) on one machine, 4.30e-5 (norm
+    # 1.93e-5) on an AVX-512 AMD EPYC (2026-12-04)
     turbo = {k: (v, tiny["logits_norm"][k]) for k, v in tiny["logits"].items() if "turbo" in k}
     assert len(turbo) == 2
-    bad = {k: v for k, v in turbo.items() if not (v[0] <= 2 * TOL and v[1] <= TOL)}
+    bad = {k: v for k, v in turbo.items() if not (v[0] <= 5 * TOL and v[1] <= 2.5 * TOL)}
     assert not bad, bad
 
 
