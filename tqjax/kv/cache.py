@@ -323,22 +323,6 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
     return KVCache(layers)
 
 
-def stackable(cache: KVCache) -> bool:
-    """Whether the model may run this cache's layers as one compiled body in a loop, the
-    layers stacked (`tqjax.models.transformer`): every layer has the same structure, shapes and
-    dtypes, and some store is compressed (not `DenseStore`). The loop copies the cache twice a
-    step (stacked on entry, split on exit) and each layer's part out and back, cheap for a
-    compressed cache; a dense cache keeps the unrolled layers, whose program is smaller."""
-    first = cache.layers[0]
-    if all(isinstance(s, kvs.DenseStore) for lc in cache.layers for s in (lc.k, lc.v)):
-        return False
-    struct0 = jax.tree_util.tree_structure(first)
-    sig0 = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(first)]
-    return all(jax.tree_util.tree_structure(lc) == struct0
-               and [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(lc)] == sig0
-               for lc in cache.layers[1:])
-
-
 def bytes_per_token(cache: KVCache) -> float:
     """Stored bytes per token slot, all layers, K+V: every per-slot array ([B, KV, S, ...]);
     per-layer constants (sink slots, centres, rotations, codebooks) are not included."""
