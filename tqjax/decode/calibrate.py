@@ -58,7 +58,8 @@ def _statistics(params: Params, config: ModelConfig,
 def calibrate(params: Params, config: ModelConfig, ids: list[int]) -> Calibration:
     """Key (pre-RoPE) and value means and key channel scales, f32 [L, KV, hd]."""
     k, v, s = _statistics(params, config, jnp.asarray([ids], jnp.int32))
+    out = Calibration(np.asarray(k), np.asarray(v), np.asarray(s))
     # a one-off program: dropped once it has run, since a compiled XLA:CPU program stays
     # resident (~4-5 KB per HLO instruction: 40-60 MB here) for as long as it is cached
     _statistics.clear_cache()
-    return Calibration(np.asarray(k), np.asarray(v), np.asarray(s))
+    return out
