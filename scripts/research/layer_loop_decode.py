@@ -18,15 +18,16 @@ Research only: the product path is `tqjax.models.transformer`.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
-import gc
 import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# a sibling script: run as `python scripts/research/...`, its folder is on sys.path
+from program_memory import trimmed_rss
 
 import tqjax
 from tqjax.commands.bench import proc_status_bytes
@@ -91,13 +92,6 @@ def forward_loop(params: Params, config: ModelConfig, tokens: jax.Array, start: 
     else:
         logits = qw.linear(x, head).astype(jnp.float32)
     return logits, stacked
-
-
-def trimmed_rss() -> float:
-    """VmRSS in MB after returning freed heap to the OS."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return proc_status_bytes("VmRSS") / 1e6
 
 
 def main() -> None:
