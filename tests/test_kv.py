@@ -193,10 +193,11 @@ def test_bytes_per_token_exact(name, bits):
     scale_bits = {"q4": 2 * 16 / 32 * hd, "f16": 0, "turbo3-prod": 32}.get(name, 16)
     want = layers * 2 * KV * (hd * bits + scale_bits) / 8
     assert bytes_per_token(cache) == want
-    # the bytes the cache really allocates per slot: every array with a slot axis [1, KV, S, ...]
-    # (per-layer constants such as sink slots, the recent ring or codebooks are not per token)
+    # the bytes the cache really allocates per slot: every array with a slot axis, stacked
+    # over layers [L, 1, KV, S, ...] (per-layer constants such as sink slots, the recent ring
+    # or codebooks are not per token)
     per_slot = sum(leaf.nbytes for leaf in jax.tree.leaves(cache)
-                   if leaf.ndim >= 3 and leaf.shape[:3] == (1, KV, slots))
+                   if leaf.ndim >= 4 and leaf.shape[1:4] == (1, KV, slots))
     assert per_slot == want * slots
 
 
@@ -488,7 +489,7 @@ def test_calibration_is_the_value_means_and_leaves_no_program_behind():
     p, c = model.params, model.config
     ids = np.random.default_rng(3).integers(0, c.vocab_size, 40).tolist()
     calib = cal_mod.calibrate(p, c, ids)
-    assert cal_mod._statistics._cache_size() == 0
+    assert cal_mod._layer_statistics._cache_size() == 0
     cache = make_cache(CacheSpec(), batch=1, slots=len(ids), num_layers=c.num_layers,
                        kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     _, cache = forward(p, c, jnp.asarray([ids], jnp.int32), jnp.zeros(1, jnp.int32), cache)

@@ -59,9 +59,9 @@ def test_take_row_and_put_row_copy_exactly_the_row(model, name):
     cache = filled(model, spec, prompts, 128)
     one = pc.take_row(cache, 1)
     for (path, a), (_, b) in zip(row_leaves(cache), row_leaves(one), strict=True):
-        if b.shape != a.shape:  # a per-row array: exactly row 1
-            assert b.shape == (1, *a.shape[1:]), path
-            np.testing.assert_array_equal(b[0], a[1], err_msg=path)
+        if b.shape != a.shape:  # a per-row array (stacked: [L, B, ...]): exactly row 1
+            assert b.shape == (a.shape[0], 1, *a.shape[2:]), path
+            np.testing.assert_array_equal(b[:, 0], a[:, 1], err_msg=path)
         else:  # a per-layer constant, shared
             np.testing.assert_array_equal(b, a, err_msg=path)
     # into row 0 of another 2-row cache: row 0 becomes the copy, row 1 and constants unchanged
@@ -71,8 +71,8 @@ def test_take_row_and_put_row_copy_exactly_the_row(model, name):
     for (path, a), (_, o), (_, m), (_, r) in zip(row_leaves(cache), before, row_leaves(merged),
                                                  row_leaves(one), strict=True):
         if r.shape != a.shape:  # per-row
-            np.testing.assert_array_equal(m[0], a[1], err_msg=path)
-            np.testing.assert_array_equal(m[1], o[1], err_msg=path)
+            np.testing.assert_array_equal(m[:, 0], a[:, 1], err_msg=path)
+            np.testing.assert_array_equal(m[:, 1], o[:, 1], err_msg=path)
         else:
             np.testing.assert_array_equal(m, o, err_msg=path)
     # the next decode step of the moved row gives the original row's logits, bit for bit

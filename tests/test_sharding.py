@@ -147,7 +147,7 @@ def tiny_checks() -> dict[str, Any]:
     from tqjax.decode.generate import new_cache
 
     kv = new_cache(_on(model, make_mesh(4, 2)).params, model.config, spec, 2, 64, cal)
-    layer = kv.layers[0]
+    layer = kv.groups[0]  # every layer's arrays, stacked [L, ...]
     arrays = {"k.packed": layer.k.packed, "k.center": layer.k.center, "k.sink": layer.k.sink,
               "recent.k": layer.recent.k, "recent.pos": layer.recent.pos,
               "k.quantizer": layer.k.quantizer.centroids}
@@ -381,11 +381,11 @@ def test_per_device_bytes_are_a_tp_share_of_the_split_tensors(tiny):
 
 def test_cache_is_sharded_over_kv_heads_and_batch(tiny):
     specs = tiny["cache_specs"]
-    assert specs["k.packed"] == "P('dp', 'tp', None, None)"
-    assert specs["k.center"] == "P('tp', None)"
-    assert specs["k.sink"] == "P('dp', 'tp', None, None)"
-    assert specs["recent.k"] == "P('dp', 'tp', None, None)"
-    assert specs["recent.pos"] == "P('dp', None)"
+    assert specs["k.packed"] == "P(None, 'dp', 'tp', None, None)"  # [L, B, KV, S, bytes]
+    assert specs["k.center"] == "P(None, 'tp', None)"
+    assert specs["k.sink"] == "P(None, 'dp', 'tp', None, None)"
+    assert specs["recent.k"] == "P(None, 'dp', 'tp', None, None)"
+    assert specs["recent.pos"] == "P(None, 'dp', None)"
     assert specs["k.quantizer"] == "P()"
     got = tiny["cache_bytes"]
     assert max(got["per_device"]) < got["total"] / 6

@@ -248,6 +248,8 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
 
     def one(path: tuple[Any, ...], leaf: jax.Array) -> NamedSharding:
         axes = CACHE_AXES.get(_field_name(path) or "")
+        if axes is not None:
+            axes = (None, *axes)  # every cache array is stacked over its group's layers
         if axes is None or len(axes) != leaf.ndim:
             return _spec(mesh)
         return _spec(mesh, *(mesh_axis(mesh, a, n) for a, n in zip(axes, leaf.shape,

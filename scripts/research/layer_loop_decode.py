@@ -1,15 +1,17 @@
 """Prototype: the real model's forward as one compiled layer body (a loop over layers), against
 the product's unrolled forward: decode speed, resident program memory and peak RSS.
 
-    python scripts/research/layer_loop_decode.py MODEL KV CONTEXT --form unrolled|loop|loop-list
+    python scripts/research/layer_loop_decode.py MODEL KV CONTEXT --form product|loop
         [--prompt-tokens 512] [--decode-tokens 32]
 
 `loop`: `fori_loop` over layers; each layer's weights are picked by `lax.switch` (every branch
 reads its own arrays, any weight format), the cache is the product's `LayerCache` with every
 leaf stacked over layers; the body takes its layer's cache out (a dynamic slice: one copy of
 that layer per step), runs the product's `attend`, and writes it back. Prefill and decode
-both use the form. `loop-list`: the same loop on the product's per-layer cache list, stacked
-on entry and split on exit inside the jitted step (two more copies of the cache per step).
+both use the form. `product`: `tqjax.models.transformer.forward`. Until 8ad82df the product
+ran its layers unrolled on a per-layer cache list (the archived runs' `unrolled`, and
+`loop-list`: this loop on that list, stacked and split inside each step); since then it runs
+this loop itself on a stacked cache, reading each layer's slots in place (no copy).
 Prints one JSON line: decode tok/s (median of the steps after the first), the RSS the
 compiled programs keep, peak RSS (VmHWM) and the greedy tokens (to check the forms agree).
 Research only: the product path is `tqjax.models.transformer`.
@@ -99,7 +101,7 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("kv")
     p.add_argument("context", type=int)
-    p.add_argument("--form", choices=("unrolled", "loop", "loop-list"), required=True)
+    p.add_argument("--form", choices=("product", "loop"), required=True)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
     a = p.parse_args()
@@ -110,18 +112,11 @@ def main() -> None:
     cache = new_cache(m.params, cfg, spec, 1, a.context + a.decode_tokens + 8,
                       m.calibration(spec))
     if a.form == "loop":
-        cache = jax.tree.map(lambda *xs: jnp.stack(xs), *cache.layers)
+        (cache,) = cache.groups  # one group: every layer alike, leaves stacked [L, ...]
 
-    def loop_list(params, config, tokens, start, cache, out_index):  # noqa: ANN001, ANN202
-        """The loop on the product's per-layer cache list: stacked on entry, split on exit."""
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *cache.layers)
-        logits, stacked = forward_loop(params, config, tokens, start, stacked, out_index)
-        return logits, kvc.KVCache([jax.tree.map(lambda x, i=i: x[i], stacked)
-                                    for i in range(len(cache.layers))])
-
-    run = {"loop": forward_loop, "loop-list": loop_list}.get(a.form, (
+    run = forward_loop if a.form == "loop" else (
         lambda params, config, tokens, start, cache, out_index: forward(
-            params, config, tokens, start, cache, out_index=out_index)))
+            params, config, tokens, start, cache, out_index=out_index))
 
     @functools.partial(jax.jit, donate_argnums=4)
     def step(params, tokens, start, out_index, cache):  # noqa: ANN001, ANN202

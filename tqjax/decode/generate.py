@@ -26,7 +26,7 @@ from tqjax.decode.sampling import (
     token_logprobs,
 )
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec, Calibration, KVCache, make_cache
+from tqjax.kv.cache import CacheSpec, Calibration, KVCache, LayerCache, group_size, make_cache
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, forward
@@ -196,13 +196,15 @@ def check_shiftable(cache: KVCache) -> None:
     """Raise TqjaxError unless `context_shift` supports the cache's stores."""
     from tqjax.kv.store import DenseStore
 
-    for i, layer in enumerate(cache.layers):
+    first = 0
+    for group in cache.groups:  # each group: alike layers first, first + 1, ...
         sinks = any(jax.tree_util.keystr(p).endswith(".sink")
-                    for p, _ in jax.tree_util.tree_leaves_with_path(layer.v))
-        if type(layer.k) is not DenseStore or layer.recent is not None or sinks:
+                    for p, _ in jax.tree_util.tree_leaves_with_path(group.v))
+        if type(group.k) is not DenseStore or group.recent is not None or sinks:
             raise TqjaxError(f"context shift needs dense keys (f32/bf16/f16) and values without "
-                             f"turbo aids; layer {i} has {type(layer.k).__name__} keys and "
-                             f"{type(layer.v).__name__} values")
+                             f"turbo aids; layer {first} has {type(group.k).__name__} keys and "
+                             f"{type(group.v).__name__} values")
+        first += group_size(group)
 
 
 @jax.jit
@@ -225,8 +227,11 @@ def _shift(cache: KVCache, row: jax.Array, keep: jax.Array, discard: jax.Array,
     def values(store: object) -> object:
         return jax.tree_util.tree_map(lambda x: gather(x, False) if x.ndim >= 3 else x, store)
 
-    return KVCache([dataclasses.replace(layer, k=layer.k.replace(data=gather(layer.k.data, True)),
-                                        v=values(layer.v)) for layer in cache.layers])
+    def layer(lc: LayerCache) -> LayerCache:  # one layer; vmapped over each stacked group
+        return dataclasses.replace(lc, k=lc.k.replace(data=gather(lc.k.data, True)),
+                                   v=values(lc.v))
+
+    return KVCache(tuple(jax.vmap(layer)(group) for group in cache.groups))
 
 
 def _start_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, slots: int,

@@ -45,6 +45,7 @@ from tqjax.kv.cache import (
     LayerCache,
     RecentWindow,
     check_spec,
+    group_size,
     layer_types,
     make_cache,
 )
@@ -92,18 +93,23 @@ def _take_store(store: object, row: jax.Array) -> object:
 
 @jax.jit
 def _take_row(cache: KVCache, row: jax.Array) -> KVCache:
-    layers = []
-    for layer in cache.layers:
+    def take(layer: LayerCache) -> LayerCache:  # one layer; vmapped over each stacked group
         recent = layer.recent
         if recent is not None:
             recent = jax.tree_util.tree_map(
                 lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0), recent)
-        layers.append(LayerCache(_take_store(layer.k, row), _take_store(layer.v, row), recent))
-    return KVCache(layers)
+        return LayerCache(_take_store(layer.k, row), _take_store(layer.v, row), recent)
+
+    return KVCache(tuple(jax.vmap(take)(group) for group in cache.groups))
+
+
+def _layer_shapes(cache: KVCache) -> list[LayerCache]:
+    """Every layer's cache as shapes and dtypes (`jax.ShapeDtypeStruct`; no copy)."""
+    return jax.eval_shape(lambda c: c.layers, cache)
 
 
 def _check_row(cache: KVCache, row: int) -> None:
-    batch = jax.tree_util.tree_leaves(cache.layers[0].k)[0].shape[0]
+    batch = cache.batch
     if not 0 <= row < batch:
         raise TqjaxError(f"cache row {row} out of range: the cache holds {batch} rows")
 
@@ -141,25 +147,29 @@ def _put_ring(ring: RecentWindow, row: jax.Array, one: RecentWindow) -> RecentWi
 
 @jax.jit
 def _put_row(cache: KVCache, row: jax.Array, one: KVCache) -> KVCache:
-    layers = []
-    for layer, src in zip(cache.layers, one.layers, strict=True):
+    def put(layer: LayerCache, src: LayerCache) -> LayerCache:  # vmapped over each group
         recent = None if layer.recent is None else _put_ring(layer.recent, row, src.recent)
-        layers.append(LayerCache(_put_store(layer.k, row, src.k), _put_store(layer.v, row, src.v),
-                                 recent))
-    return KVCache(layers)
+        return LayerCache(_put_store(layer.k, row, src.k), _put_store(layer.v, row, src.v),
+                          recent)
+
+    return KVCache(tuple(jax.vmap(put)(group, src)
+                         for group, src in zip(cache.groups, one.groups, strict=True)))
 
 
 def check_compatible(cache: KVCache, one: KVCache) -> None:
     """Raise TqjaxError unless the batch-1 `one` fits a row of `cache`: same layers and store
     formats, at most as many slots (and ring/sink sizes within the target's)."""
-    if len(one.layers) != len(cache.layers):
-        raise TqjaxError(f"cache with {len(one.layers)} layers, the target has "
-                         f"{len(cache.layers)}")
-    if jax.tree_util.tree_leaves(one.layers[0].k)[0].shape[0] != 1:
+    if one.num_layers != cache.num_layers:
+        raise TqjaxError(f"cache with {one.num_layers} layers, the target has "
+                         f"{cache.num_layers}")
+    if one.batch != 1:
         raise TqjaxError("put_row takes a batch-1 cache")
     if one.slots > cache.slots:
         raise TqjaxError(f"cache of {one.slots} slots does not fit a row of {cache.slots} slots")
-    for i, (a, b) in enumerate(zip(cache.layers, one.layers, strict=True)):
+    if [group_size(g) for g in one.groups] != [group_size(g) for g in cache.groups]:
+        raise TqjaxError("the cache's layers are grouped by format unlike the target's "
+                         "(another cache type or layout)")
+    for i, (a, b) in enumerate(zip(_layer_shapes(cache), _layer_shapes(one), strict=True)):
         for part in ("k", "v"):
             sa, sb = getattr(a, part), getattr(b, part)
             if _static(sa) != _static(sb):
@@ -343,11 +353,11 @@ def save_prompt_cache(path: str | Path, cache: KVCache, tokens: Sequence[int],
         raise TqjaxError("a prompt cache needs at least one token")
     if ids.min() < 0 or ids.max() >= meta.vocab_size:
         raise TqjaxError(f"prompt cache token id out of range [0, {meta.vocab_size})")
-    if jax.tree_util.tree_leaves(cache.layers[0].k)[0].shape[0] != 1:
+    if cache.batch != 1:
         raise TqjaxError("save_prompt_cache takes a batch-1 cache (see take_row)")
     if n > cache.slots:
         raise TqjaxError(f"{n} tokens but the cache has only {cache.slots} slots")
-    if len(cache.layers) != meta.num_layers or _constants_sha256(cache) != meta.constants_sha256:
+    if cache.num_layers != meta.num_layers or _constants_sha256(cache) != meta.constants_sha256:
         raise TqjaxError("the cache is not in the format its CacheMeta describes")
     tensors = _cache_tensors(cache, n)
     tensors["tokens"] = ids.astype(np.int32)
@@ -478,4 +488,4 @@ def _fill(cache: KVCache, tensors: dict[str, np.ndarray], n: int) -> KVCache:
                                  recent))
     if used != set(tensors):
         raise ValueError(f"unexpected arrays {sorted(set(tensors) - used)[:3]}")
-    return KVCache(layers)
+    return KVCache.from_layers(layers)

@@ -254,13 +254,98 @@ class LayerCache:
     recent: RecentWindow | None = None
 
 
+def slot_leaf(path: tuple, ndim: int) -> bool:
+    """Whether a LayerCache leaf at `path` (of per-layer rank `ndim`) is a per-slot array
+    [B, KV, S, ...]: a store field of rank >= 3 other than the sink slots (the ring is not)."""
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    return bool(names) and names[0] in ("k", "v") and names[-1] != "sink" and ndim >= 3
+
+
+def _signature(layer: LayerCache) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(layer)
+    return tree, tuple((x.shape, x.dtype) for x in leaves)
+
+
+def group_size(group: LayerCache) -> int:
+    """Layers in a stacked group (the leading axis of its arrays)."""
+    return jax.tree_util.tree_leaves(group)[0].shape[0]
+
+
 @struct.dataclass
 class KVCache:
-    layers: list[LayerCache]
+    """Every layer's cache, stored stacked: `groups` are the runs of consecutive layers whose
+    caches have the same formats and shapes (all layers, unless boundary layers take another
+    format), each one `LayerCache` whose arrays have a leading layer axis [n, ...]. The model
+    runs each run of layers as one compiled layer body that reads and writes its layer of the
+    stack in place (`tqjax.models.transformer.forward`)."""
+
+    groups: tuple[LayerCache, ...]
+
+    @classmethod
+    def from_layers(cls, layers: list[LayerCache]) -> KVCache:
+        """The stacked cache of per-layer caches (a copy: each run of alike layers stacked)."""
+        return cls(tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *run)
+                         for run in _runs(layers)))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(group_size(g) for g in self.groups)
 
     @property
     def slots(self) -> int:
-        return jax.tree_util.tree_leaves(self.layers[0])[0].shape[2]
+        return jax.tree_util.tree_leaves(self.groups[0].k)[0].shape[3]
+
+    @property
+    def batch(self) -> int:
+        return jax.tree_util.tree_leaves(self.groups[0].k)[0].shape[1]
+
+    def layer(self, i: int) -> LayerCache:
+        """Layer i's cache (per-layer arrays; outside jit each is a copy)."""
+        for g in self.groups:
+            n = group_size(g)
+            if i < n:
+                return jax.tree.map(lambda a, i=i: a[i], g)
+            i -= n
+        raise IndexError(i)
+
+    @property
+    def layers(self) -> list[LayerCache]:
+        """Every layer's cache (`layer`); for inspection and tests: outside jit, a copy."""
+        return [self.layer(i) for i in range(self.num_layers)]
+
+
+def _runs(layers: list[LayerCache]) -> list[list[LayerCache]]:
+    """Consecutive layers with equal structure, shapes and dtypes, grouped."""
+    runs: list[list[LayerCache]] = []
+    for layer in layers:
+        if runs and _signature(runs[-1][0]) == _signature(layer):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+def layer_view(group: LayerCache, i: jax.Array | int) -> LayerCache:
+    """Layer i of a stacked group, for `attend`: its per-slot arrays are `LayerSlab`s of the
+    whole stack (read and written in place at layer i), the rest (sink slots, ring, constants:
+    small) indexed out."""
+    i = jnp.asarray(i, jnp.int32)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: kvs.LayerSlab(x, i) if slot_leaf(path, x.ndim - 1)
+        else jax.lax.dynamic_index_in_dim(x, i, keepdims=False), group)
+
+
+def layer_update(group: LayerCache, view: LayerCache, i: jax.Array | int) -> LayerCache:
+    """The group with layer i replaced by `view` (a `layer_view` after `attend`)."""
+    return jax.tree.map(
+        lambda g, v: v.data if isinstance(v, kvs.LayerSlab)
+        else jax.lax.dynamic_update_index_in_dim(g, v, i, 0), group, view)
+
+
+def concrete(store: object) -> object:
+    """A store with every `LayerSlab` replaced by its layer's array (a copy)."""
+    return jax.tree.map(lambda x: x.value() if isinstance(x, kvs.LayerSlab) else x, store,
+                        is_leaf=lambda x: isinstance(x, kvs.LayerSlab))
 
 
 def check_spec(spec: CacheSpec) -> None:
@@ -297,7 +382,8 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
                          "calibration pass")
     layers = []
     for i, (kt, vt) in enumerate(layer_types(spec, num_layers)):
-        plain = StoreShape(batch, kv_heads, slots, head_dim, i, spec.seed)
+        # per-slot arrays are built with one slot and allocated stacked below, once
+        plain = StoreShape(batch, kv_heads, 1, head_dim, i, spec.seed)
         stores = []
         for name, keys in ((kt, True), (vt, False)):
             if not spec.aided(name):
@@ -320,27 +406,22 @@ def make_cache(spec: CacheSpec, *, batch: int, slots: int, num_layers: int, kv_h
             recent = RecentWindow(jnp.zeros(ring, SCALE_DTYPE), jnp.zeros(ring, SCALE_DTYPE),
                                   jnp.full((batch, n), -1, jnp.int32))
         layers.append(LayerCache(*stores, recent))
-    return KVCache(layers)
+
+    def stack(path: tuple, *xs: jax.Array) -> jax.Array:
+        if slot_leaf(path, xs[0].ndim):  # every store starts with zeros in its slots
+            return jnp.zeros((len(xs), *xs[0].shape[:2], slots, *xs[0].shape[3:]), xs[0].dtype)
+        return jnp.stack(xs)
+
+    return KVCache(tuple(jax.tree_util.tree_map_with_path(stack, *run) for run in _runs(layers)))
 
 
 def bytes_per_token(cache: KVCache) -> float:
-    """Stored bytes per token slot, all layers, K+V: every per-slot array ([B, KV, S, ...]);
-    per-layer constants (sink slots, centres, rotations, codebooks) are not included."""
-    return sum(_slot_bytes(st) for layer in cache.layers for st in (layer.k, layer.v)
+    """Stored bytes per token slot, all layers, K+V: every per-slot array ([B, KV, S, ...],
+    `slot_leaf`); per-layer constants (sink slots, centres, rotations, codebooks) are not
+    included."""
+    return sum(x.nbytes for g in cache.groups
+               for p, x in jax.tree_util.tree_leaves_with_path(g) if slot_leaf(p, x.ndim - 1)
                ) / cache.slots
-
-
-def _slot_bytes(store: object) -> int:
-    """Bytes of a store's per-slot arrays ([B, KV, S, ...], not the sink slots), wrapped
-    stores included."""
-    total = 0
-    for field in dataclasses.fields(store):
-        leaf = getattr(store, field.name)
-        if field.name == "inner":  # a wrapper (AidedStore, HadamardStore) around a store
-            total += _slot_bytes(leaf)
-        elif field.name != "sink" and isinstance(leaf, jax.Array) and leaf.ndim >= 3:
-            total += leaf.nbytes
-    return total
 
 
 def constant_bytes(cache: KVCache) -> int:
@@ -421,7 +502,8 @@ def attend(layer: LayerCache, q: jax.Array, k: jax.Array, v: jax.Array,
     layer = LayerCache(kvs.write(layer.k, k, start), kvs.write(layer.v, v, start), recent)
     if (t == 1 and resolve_backend(backend) == "pallas"
             and turbo_attention.supported(q.shape, layer.k, layer.v)):
-        out = turbo_attention.turbo_decode_attention(q[:, 0], layer.k, layer.v, start,
+        out = turbo_attention.turbo_decode_attention(q[:, 0], concrete(layer.k),
+                                                     concrete(layer.v), start,
                                                      bound=bound[:, 0], window=window)
         return out[:, None].astype(q.dtype), layer
     qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
@@ -448,7 +530,8 @@ def blockwise_attention(k_store: object, v_store: object, q: jax.Array, bound: j
     """
     b, kvh, n, hd = q.shape
     scale = 1.0 / hd**0.5
-    slots = jax.tree_util.tree_leaves(k_store)[0].shape[2]
+    slots = jax.tree_util.tree_leaves(
+        k_store, is_leaf=lambda x: isinstance(x, kvs.LayerSlab))[0].shape[2]
     qf = q.astype(jnp.float32)
 
     def update(carry: tuple[jax.Array, ...], s: jax.Array, visible: jax.Array,

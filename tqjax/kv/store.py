@@ -14,6 +14,11 @@ implements four pure functions, dispatched on the store type:
 
 Attention (`tqjax.kv.cache.attend`) walks the live slots one `block` at a time, so `scores` and
 `mix` only ever see one block: no store builds a dequantized copy of the whole cache.
+
+A cache keeps its layers stacked (`tqjax.kv.cache.KVCache`), and the model reads one layer of
+such a stack in place: each per-slot array of that layer's store is a `LayerSlab`, the whole
+stack [L, B, KV, S, ...] with the layer's index, which `write_rows` updates and `slot_block`
+reads at that layer (no copy of the layer's slots).
 """
 
 from __future__ import annotations
@@ -25,11 +30,45 @@ import jax.numpy as jnp
 from flax import struct
 
 
-def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+@struct.dataclass
+class LayerSlab:
+    """One layer of a per-slot array stacked over layers: data [L, B, KV, S, ...] at layer
+    `layer` (int32 scalar); it reads as an array of shape [B, KV, S, ...]."""
+
+    data: jax.Array  # [L, B, KV, S, ...]
+    layer: jax.Array  # int32 []
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape[1:]
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim - 1
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.data.dtype
+
+    def value(self) -> jax.Array:
+        """The layer's array [B, KV, S, ...] (a copy)."""
+        return jax.lax.dynamic_index_in_dim(self.data, self.layer, keepdims=False)
+
+
+def write_rows(buf: jax.Array | LayerSlab, new: jax.Array, start: jax.Array
+               ) -> jax.Array | LayerSlab:
     """Write new [B, KV, T, ...] into buf [B, KV, S, ...] at slot start[b] per batch row.
 
     One `dynamic_update_slice` per row (B is static and small): each updates the donated
-    buffer in place, where a vmapped update would become a scatter."""
+    buffer in place, where a vmapped update would become a scatter. A `LayerSlab` is written
+    at its layer, in place in the whole stack."""
+    if isinstance(buf, LayerSlab):
+        data = buf.data
+        tail = (0,) * (data.ndim - 4)
+        for b in range(data.shape[1]):
+            data = jax.lax.dynamic_update_slice(data, new[None, b:b + 1].astype(data.dtype),
+                                                (buf.layer, b, 0, start[b], *tail))
+        return LayerSlab(data, buf.layer)
     tail = (0,) * (buf.ndim - 3)
     for b in range(buf.shape[0]):
         buf = jax.lax.dynamic_update_slice(buf, new[b:b + 1].astype(buf.dtype),
@@ -37,8 +76,12 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return buf
 
 
-def slot_block(x: jax.Array, lo: jax.Array, size: int) -> jax.Array:
+def slot_block(x: jax.Array | LayerSlab, lo: jax.Array, size: int) -> jax.Array:
     """Slots lo .. lo + size - 1 of a per-slot array x [B, KV, S, ...] (lo + size <= S)."""
+    if isinstance(x, LayerSlab):
+        d = x.data
+        start = (x.layer, 0, 0, lo, *(0,) * (d.ndim - 4))
+        return jax.lax.dynamic_slice(d, start, (1, *d.shape[1:3], size, *d.shape[4:]))[0]
     return jax.lax.dynamic_slice_in_dim(x, lo, size, axis=2)
 
 

@@ -7,6 +7,7 @@ dense arrays or quantized weights from `tqjax.quant.weights`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -56,13 +57,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
-                    sin: jax.Array, start: jax.Array, layer_cache: kvc.LayerCache,
-                    valid: jax.Array | None = None
-                    ) -> tuple[jax.Array, kvc.LayerCache, jax.Array]:
-    """x [B, T, D] (already normed) -> the concatenated head outputs [B, T, H*hd] (the o_proj
-    input), the updated cache and the post-RoPE queries [B, T, H, hd] (used by calibration).
-    valid int32 [B]: real tokens per row (`kvc.attend`)."""
+def qkv(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] (already normed) -> post-RoPE queries [B, T, H, hd], keys and values
+    [B, T, KV, hd]."""
     b, t, _ = x.shape
     hd = config.head_dim
     q, k, v = qw.linear(x, lp.wq), qw.linear(x, lp.wk), qw.linear(x, lp.wv)
@@ -73,9 +71,31 @@ def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax
     v = v.reshape(b, t, config.num_kv_heads, hd)
     if config.qk_norm:
         q, k = rms_norm(q, lp.q_norm, config.rms_eps), rms_norm(k, lp.k_norm, config.rms_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
+                    sin: jax.Array, start: jax.Array, layer_cache: kvc.LayerCache,
+                    valid: jax.Array | None = None
+                    ) -> tuple[jax.Array, kvc.LayerCache, jax.Array]:
+    """x [B, T, D] (already normed) -> the concatenated head outputs [B, T, H*hd] (the o_proj
+    input), the updated cache and the post-RoPE queries [B, T, H, hd] (used by calibration).
+    valid int32 [B]: real tokens per row (`kvc.attend`)."""
+    q, k, v = qkv(lp, config, x, cos, sin)
     out, layer_cache = kvc.attend(layer_cache, q, k, v, start, valid=valid)
-    return out.reshape(b, t, -1), layer_cache, q
+    return out.reshape(*x.shape[:2], -1), layer_cache, q
+
+
+def layer_output(lp: LayerParams, config: ModelConfig, x: jax.Array, heads: jax.Array
+                 ) -> jax.Array:
+    """The residual stream x [B, T, D] after the layer's o_proj (of heads [B, T, H*hd]) and MLP."""
+    x = x + qw.linear(heads, lp.wo)
+    return x + qw.linear(gated_activation(lp, rms_norm(x, lp.mlp_norm, config.rms_eps)), lp.w_down)
+
+
+def _normed_qkv(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
+                sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return qkv(lp, config, rms_norm(x, lp.attn_norm, config.rms_eps), cos, sin)
 
 
 def gated_activation(lp: LayerParams, x: jax.Array) -> jax.Array:
@@ -95,32 +115,59 @@ def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
             cache: kvc.KVCache, out_index: jax.Array | None = None,
-            queries: list[jax.Array] | None = None, valid: jax.Array | None = None
-            ) -> tuple[jax.Array, kvc.KVCache]:
+            valid: jax.Array | None = None) -> tuple[jax.Array, kvc.KVCache]:
     """Run a chunk of tokens through the model, reading and extending the KV cache.
 
     tokens int32 [B, T]; start int32 [B]: position of tokens[:, 0] per sequence (prefill: 0,
     decode: the current length). Returns f32 logits [B, T, V], or [B, V] taken at
-    `out_index` int32 [B] when given, and the updated cache. A `queries` list, if given, is
-    filled with every layer's post-RoPE queries [B, T, H, hd]. `valid` int32 [B]: the real
+    `out_index` int32 [B] when given, and the updated cache. `valid` int32 [B]: the real
     tokens of each row's chunk (right-padded prefill; default T): only those enter the caches'
     recent-token rings, so each row's ring ends at its last real token, not in its padding.
+
+    Each group of alike cache layers (`kvc.KVCache`) runs as one compiled layer body in a
+    `fori_loop`: each layer's projections are picked by `lax.switch` (every branch reads its
+    own weights in place, any weight format) around one attention, which reads and writes its
+    layer of the stacked cache in place. Why: XLA:CPU keeps a compiled program resident at
+    ~4-5 KB per HLO instruction, and unrolled over 30 layers a turbo cache's attention held
+    more memory in programs than the compression saved (docs/research.md, stop 37).
     """
     dtype = params.final_norm.dtype
     x = embed_tokens(params.embed, tokens).astype(dtype)
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(positions, params.rope_inv_freq)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
-    new_layers = []
-    for lp, layer_cache in zip(params.layers, cache.layers, strict=True):
-        heads, layer_cache, q = attention_heads(
-            lp, config, rms_norm(x, lp.attn_norm, config.rms_eps), cos, sin, start, layer_cache,
-            valid)
-        if queries is not None:
-            queries.append(q)
-        x = x + qw.linear(heads, lp.wo)
-        x = x + qw.linear(gated_activation(lp, rms_norm(x, lp.mlp_norm, config.rms_eps)), lp.w_down)
-        new_layers.append(layer_cache)
+    if cache.num_layers != len(params.layers):
+        raise ValueError(f"a cache of {cache.num_layers} layers for a model of "
+                         f"{len(params.layers)}")
+
+    def attention(group: kvc.LayerCache, i: jax.Array | int, q: jax.Array, k: jax.Array,
+                  v: jax.Array) -> tuple[jax.Array, kvc.LayerCache]:
+        """Layer i of the stacked group: attention, its cache read and written in place."""
+        view = kvc.layer_view(group, i)
+        out, view = kvc.attend(view, q, k, v, start, valid=valid)
+        return out.reshape(*x.shape[:2], -1), kvc.layer_update(group, view, i)
+
+    groups, first = [], 0
+    for group in cache.groups:
+        n = kvc.group_size(group)
+        layers = params.layers[first:first + n]
+        first += n
+        if n == 1:
+            heads, group = attention(group, 0, *_normed_qkv(layers[0], config, x, cos, sin))
+            x = layer_output(layers[0], config, x, heads)
+        else:
+            projections = [functools.partial(_normed_qkv, lp, config) for lp in layers]
+            outputs = [functools.partial(layer_output, lp, config) for lp in layers]
+
+            def body(i: jax.Array, carry: tuple[jax.Array, kvc.LayerCache],
+                     projections: list = projections, outputs: list = outputs
+                     ) -> tuple[jax.Array, kvc.LayerCache]:
+                x, group = carry
+                heads, group = attention(group, i, *jax.lax.switch(i, projections, x, cos, sin))
+                return jax.lax.switch(i, outputs, x, heads), group
+
+            x, group = jax.lax.fori_loop(0, n, body, (x, group))
+        groups.append(group)
     if out_index is not None:
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, config.rms_eps)
@@ -130,4 +177,4 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
                             preferred_element_type=jnp.float32)
     else:  # [D, V]: an untied head, a quantized embedding (embedᵀ) or a GGUF [V, D] table
         logits = qw.linear(x, head).astype(jnp.float32)
-    return logits, kvc.KVCache(new_layers)
+    return logits, kvc.KVCache(tuple(groups))

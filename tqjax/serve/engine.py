@@ -203,7 +203,7 @@ class Engine:
         self.cache = new_cache(model.params, cfg, spec, slots, self.alloc, self.calibration)
         self.seen = jnp.zeros((slots, cfg.vocab_size), bool)
         self.keys = jnp.zeros((slots, 2), jnp.uint32)
-        self.ring = any(layer.recent is not None for layer in self.cache.layers)
+        self.ring = any(group.recent is not None for group in self.cache.groups)
         self.slots = [Slot() for _ in range(slots)]
         self.settings = [SamplingParams() for _ in range(slots)]
         self.stats = Stats()
