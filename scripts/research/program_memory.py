@@ -7,8 +7,8 @@ An XLA:CPU executable stays resident while JAX caches it, and what it holds grow
 optimized HLO: this script loads the model, allocates the cache, then for prefill and for one
 decode step reports the RSS the first call leaves behind (glibc's malloc_trim(0) before each
 reading, so freed heap is not counted), the program's optimized HLO instructions and fusions,
-and the RSS returned when every compiled program is dropped (`jax.clear_caches()`). One JSON
-line per program on stdout.
+the peak RSS while compiling it once more, and the RSS returned when every compiled program is
+dropped (`jax.clear_caches()`). One JSON line per program on stdout.
 """
 
 from __future__ import annotations
@@ -36,12 +36,18 @@ def trimmed_rss() -> float:
     return proc_status_bytes("VmRSS") / 1e6
 
 
-def hlo_size(jitted: object, *args: object) -> dict[str, int]:
+def hlo_size(jitted: object, *args: object) -> dict[str, int | float]:
     """Instructions (every computation, fusion bodies included) and fusions of the optimized
-    HLO of `jitted` at `args` (compiles it again)."""
-    text = jitted.lower(*args).compile().as_text()
+    HLO of `jitted` at `args`, and the peak RSS above the trimmed RSS while compiling it
+    again (MB; VmHWM reset first)."""
+    lowered = jitted.lower(*args)
+    base = trimmed_rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    text = lowered.compile().as_text()
     return {"hlo_instructions": text.count(" = "),
-            "fusions": len(re.findall(r" fusion\(", text))}
+            "fusions": len(re.findall(r" fusion\(", text)),
+            "compile_peak_mb": round(proc_status_bytes("VmHWM") / 1e6 - base, 1)}
 
 
 def main() -> None:
