@@ -212,6 +212,23 @@ def test_pack_layout_little_endian():
     chex.assert_shape(jitted, (2, 6))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_lookup_is_numpy_indexing(bits):
+    """The select-tree lookup (used for every codebook) equals table[codes] exactly, in and out
+    of jit, for uint8 and int32 codes."""
+    from tqjax.quant.packing import lookup
+
+    rng = np.random.default_rng(bits)
+    table = rng.normal(size=2**bits).astype(np.float32)
+    codes = rng.integers(0, 2**bits, (3, 5, 64)).astype(np.uint8)
+    for c in (codes, codes.astype(np.int32)):
+        np.testing.assert_array_equal(np.asarray(lookup(jnp.asarray(table), jnp.asarray(c))),
+                                      table[c])
+        np.testing.assert_array_equal(np.asarray(jax.jit(lookup)(table, c)), table[c])
+    with pytest.raises(TqjaxError, match="power of two"):
+        lookup(jnp.zeros(12), jnp.zeros(4, jnp.uint8))
+
+
 def test_pack_bad_inputs():
     with pytest.raises(TqjaxError):
         pack_bits(jnp.zeros((5,), jnp.uint8), 3)

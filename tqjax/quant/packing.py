@@ -87,3 +87,20 @@ def _unpack(packed: jax.Array, bits: int, axis: int) -> jax.Array:
         out = jnp.concatenate([codes(word(0, min(4, bits)), 0, 4),
                                codes(word(first, bits), shift, 4)], axis=axis + 1)
     return out.reshape(*lead, -1, *rest)
+
+
+def lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
+    """table[codes] for a small table [2^b] (b <= 5) and integer codes [...] in range: a tree of
+    b levels of selects on the code bits (exact). XLA:CPU vectorises selects but runs a gather
+    element by element: 4-bit codes [1, 3, 8192, 64] took 0.6-0.9 ms against 3.9-4.4 ms for
+    `jnp.take(..., mode="clip")` (issue 22, stop 37)."""
+    n = table.shape[0]
+    if n & (n - 1) or not 2 <= n <= 32:
+        raise TqjaxError(f"lookup tables hold 2..32 (a power of two) entries, got {n}")
+    vals = [table[i] for i in range(n)]
+    bit = 0
+    while len(vals) > 1:
+        on = (codes >> bit) & 1 != 0
+        vals = [jnp.where(on, vals[2 * i + 1], vals[2 * i]) for i in range(len(vals) // 2)]
+        bit += 1
+    return jnp.broadcast_to(vals[0], codes.shape)
