@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import tqjax
+from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, KVCache, group_size, make_cache
 from tqjax.models.transformer import forward
 
@@ -133,3 +134,30 @@ def test_decode_program_grows_by_the_projections_only(deep, name):
                 - hlo_instructions(small, two, spec, split=True))
     # measured (4 more layers): 813 vs 1600 instructions (f32), 813 vs 6864 (turbo4)
     assert 0 < loop < {"f32": 0.6, "turbo4": 0.15}[name] * unrolled, (loop, unrolled)
+
+
+def test_rows_and_saved_caches_across_three_groups(deep, tmp_path):
+    """take_row / put_row / save and load a prompt cache on a cache of three groups (boundary
+    layers): the row comes back exactly, and its next decode step gives the same logits."""
+    from tqjax.decode import prompt_cache as pc
+
+    params, config = deep
+    spec = SPECS["turbo4+boundary q8"]
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(3, config.vocab_size, (2, 20)), jnp.int32)
+    valid = jnp.asarray([20, 13], jnp.int32)
+    run = jax.jit(lambda c, t, s, v: forward(params, config, t, s, c, valid=v))
+    _, cache = run(new(params, config, spec), tokens, jnp.zeros(2, jnp.int32), valid)
+    one = pc.take_row(cache, 1)
+    assert [group_size(g) for g in one.groups] == [1, LAYERS - 2, 1] and one.batch == 1
+    meta = pc.cache_meta(config, params, None, spec, calibration(config))
+    pc.save_prompt_cache(tmp_path / "row.safetensors", one, tokens[1, :13].tolist(), meta)
+    back, ids = pc.load_prompt_cache(tmp_path / "row.safetensors", meta, 64)
+    assert ids == tokens[1, :13].tolist()
+    merged = pc.put_row(new(params, config, spec), 0, back)
+    nxt = jnp.asarray([[7], [7]], jnp.int32)
+    want, _ = run(cache, nxt, jnp.asarray([20, 13], jnp.int32), jnp.ones(2, jnp.int32))
+    got, _ = run(merged, nxt, jnp.asarray([13, 0], jnp.int32), jnp.ones(2, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got[0, 0]), np.asarray(want[1, 0]))
+    with pytest.raises(TqjaxError, match="grouped by format"):  # one group vs three
+        pc.put_row(new(params, config, SPECS["turbo4"]), 0, back)
