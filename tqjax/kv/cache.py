@@ -335,11 +335,14 @@ def layer_view(group: LayerCache, i: jax.Array | int) -> LayerCache:
         else jax.lax.dynamic_index_in_dim(x, i, keepdims=False), group)
 
 
-def layer_update(group: LayerCache, view: LayerCache, i: jax.Array | int) -> LayerCache:
-    """The group with layer i replaced by `view` (a `layer_view` after `attend`)."""
+def layer_update(group: LayerCache, view: LayerCache, i: jax.Array | int,
+                 before: LayerCache) -> LayerCache:
+    """The group with layer i replaced by `view`, what `attend` returned for the `layer_view`
+    `before`: leaves it returned unchanged (the very same arrays: centres, codebooks,
+    rotations) are not written back."""
     return jax.tree.map(
-        lambda g, v: v.data if isinstance(v, kvs.LayerSlab)
-        else jax.lax.dynamic_update_index_in_dim(g, v, i, 0), group, view)
+        lambda g, v, b: v.data if isinstance(v, kvs.LayerSlab) else g if v is b
+        else jax.lax.dynamic_update_index_in_dim(g, v, i, 0), group, view, before)
 
 
 def concrete(store: object) -> object:

@@ -144,8 +144,8 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
                   v: jax.Array) -> tuple[jax.Array, kvc.LayerCache]:
         """Layer i of the stacked group: attention, its cache read and written in place."""
         view = kvc.layer_view(group, i)
-        out, view = kvc.attend(view, q, k, v, start, valid=valid)
-        return out.reshape(*x.shape[:2], -1), kvc.layer_update(group, view, i)
+        out, after = kvc.attend(view, q, k, v, start, valid=valid)
+        return out.reshape(*x.shape[:2], -1), kvc.layer_update(group, after, i, view)
 
     groups, first = [], 0
     for group in cache.groups:
