@@ -35,6 +35,7 @@ import tqjax
 from tqjax.commands.bench import proc_status_bytes
 from tqjax.decode.generate import new_cache
 from tqjax.kv import cache as kvc
+from tqjax.kv.cache import parse_kv
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, embed_tokens, forward, gated_activation, rms_norm
@@ -107,8 +108,7 @@ def main() -> None:
     a = p.parse_args()
     m = tqjax.load(a.model)
     cfg = m.config
-    k, _, v = a.kv.partition("/")
-    spec = tqjax.CacheSpec(k, v or k)
+    spec = tqjax.CacheSpec(*parse_kv(a.kv))
     cache = new_cache(m.params, cfg, spec, 1, a.context + a.decode_tokens + 8,
                       m.calibration(spec))
     if a.form == "loop":

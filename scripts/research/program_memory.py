@@ -27,6 +27,7 @@ import tqjax
 from tqjax.commands.bench import proc_status_bytes
 from tqjax.decode.generate import decode_step, new_cache, prefill_chunk
 from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
+from tqjax.kv.cache import parse_kv
 
 
 def trimmed_rss() -> float:
@@ -59,8 +60,7 @@ def main() -> None:
     a = p.parse_args()
     m = tqjax.load(a.model)
     cfg = m.config
-    k, _, v = a.kv.partition("/")
-    spec = tqjax.CacheSpec(k, v or k)
+    spec = tqjax.CacheSpec(*parse_kv(a.kv))
     cal = m.calibration(spec)
     cache = new_cache(m.params, cfg, spec, 1, a.context + 50, cal)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,

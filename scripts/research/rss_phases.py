@@ -26,6 +26,7 @@ from tqjax.cli import enable_compilation_cache
 from tqjax.commands.bench import proc_status_bytes
 from tqjax.decode.generate import decode_step, new_cache, prefill
 from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
+from tqjax.kv.cache import parse_kv
 
 
 def phase(name: str, fn: Callable[[], object], trim: bool) -> object:
@@ -57,8 +58,7 @@ def main() -> None:
         enable_compilation_cache()
     m = phase("load", lambda: tqjax.load(a.model), a.trim)
     cfg = m.config
-    k, _, v = a.kv.partition("/")
-    spec = tqjax.CacheSpec(k, v or k)
+    spec = tqjax.CacheSpec(*parse_kv(a.kv))
     cal = m.calibration(spec)
     cache = phase("alloc cache", lambda: new_cache(m.params, cfg, spec, 1, a.context + 50, cal),
                   a.trim)

@@ -48,6 +48,7 @@ from tqjax.kv.cache import (
     group_size,
     layer_types,
     make_cache,
+    slot_field,
 )
 from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
@@ -67,7 +68,7 @@ def _kind(path: tuple, leaf: jax.Array) -> str:
     'const' (per-layer constant) for a store leaf; nested stores are walked through."""
     if _name(path) == "sink":
         return "row"
-    return "slot" if leaf.ndim >= 3 else "const"
+    return "slot" if slot_field(_name(path), leaf.ndim) else "const"
 
 
 def _map_store(fn: object, store: object, *rest: object) -> object:

@@ -254,11 +254,17 @@ class LayerCache:
     recent: RecentWindow | None = None
 
 
+def slot_field(name: str, ndim: int) -> bool:
+    """Whether a store's field `name` of per-layer rank `ndim` is a per-slot array
+    [B, KV, S, ...]: any of rank >= 3 but the sink slots [B, KV, n_sink, hd]."""
+    return name != "sink" and ndim >= 3
+
+
 def slot_leaf(path: tuple, ndim: int) -> bool:
-    """Whether a LayerCache leaf at `path` (of per-layer rank `ndim`) is a per-slot array
-    [B, KV, S, ...]: a store field of rank >= 3 other than the sink slots (the ring is not)."""
+    """Whether a LayerCache leaf at `path` (of per-layer rank `ndim`) is a per-slot array: a
+    `slot_field` of its key or value store (the recent-token ring is not)."""
     names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    return bool(names) and names[0] in ("k", "v") and names[-1] != "sink" and ndim >= 3
+    return bool(names) and names[0] in ("k", "v") and slot_field(names[-1], ndim)
 
 
 def _signature(layer: LayerCache) -> tuple:

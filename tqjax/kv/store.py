@@ -55,6 +55,11 @@ class LayerSlab:
         return jax.lax.dynamic_index_in_dim(self.data, self.layer, keepdims=False)
 
 
+def _slab_parts(x: jax.Array | LayerSlab) -> tuple[jax.Array, tuple]:
+    """(the array to index, the leading index): a LayerSlab's stack and (layer,), else x and ()."""
+    return (x.data, (x.layer,)) if isinstance(x, LayerSlab) else (x, ())
+
+
 def write_rows(buf: jax.Array | LayerSlab, new: jax.Array, start: jax.Array
                ) -> jax.Array | LayerSlab:
     """Write new [B, KV, T, ...] into buf [B, KV, S, ...] at slot start[b] per batch row.
@@ -62,27 +67,21 @@ def write_rows(buf: jax.Array | LayerSlab, new: jax.Array, start: jax.Array
     One `dynamic_update_slice` per row (B is static and small): each updates the donated
     buffer in place, where a vmapped update would become a scatter. A `LayerSlab` is written
     at its layer, in place in the whole stack."""
-    if isinstance(buf, LayerSlab):
-        data = buf.data
-        tail = (0,) * (data.ndim - 4)
-        for b in range(data.shape[1]):
-            data = jax.lax.dynamic_update_slice(data, new[None, b:b + 1].astype(data.dtype),
-                                                (buf.layer, b, 0, start[b], *tail))
-        return LayerSlab(data, buf.layer)
-    tail = (0,) * (buf.ndim - 3)
-    for b in range(buf.shape[0]):
-        buf = jax.lax.dynamic_update_slice(buf, new[b:b + 1].astype(buf.dtype),
-                                           (b, 0, start[b], *tail))
-    return buf
+    data, lead = _slab_parts(buf)
+    tail = (0,) * (new.ndim - 3)
+    for b in range(new.shape[0]):
+        row = new[b:b + 1].astype(data.dtype).reshape((1,) * len(lead) + new[b:b + 1].shape)
+        data = jax.lax.dynamic_update_slice(data, row, (*lead, b, 0, start[b], *tail))
+    return LayerSlab(data, buf.layer) if lead else data
 
 
 def slot_block(x: jax.Array | LayerSlab, lo: jax.Array, size: int) -> jax.Array:
     """Slots lo .. lo + size - 1 of a per-slot array x [B, KV, S, ...] (lo + size <= S)."""
-    if isinstance(x, LayerSlab):
-        d = x.data
-        start = (x.layer, 0, 0, lo, *(0,) * (d.ndim - 4))
-        return jax.lax.dynamic_slice(d, start, (1, *d.shape[1:3], size, *d.shape[4:]))[0]
-    return jax.lax.dynamic_slice_in_dim(x, lo, size, axis=2)
+    data, lead = _slab_parts(x)
+    shape = x.shape  # [B, KV, S, ...] (a LayerSlab's per-layer shape)
+    block = jax.lax.dynamic_slice(data, (*lead, 0, 0, lo, *(0,) * (len(shape) - 3)),
+                                  (*(1,) * len(lead), *shape[:2], size, *shape[3:]))
+    return block.reshape(*shape[:2], size, *shape[3:])
 
 
 @struct.dataclass
