@@ -81,6 +81,26 @@ def test_rotation_is_randomized_hadamard(d, dtype):
     assert set(np.unique(np.asarray(rot.signs))) == {-1.0, 1.0}
 
 
+@pytest.mark.parametrize("d", [16, 64, 96])
+def test_rotate_blocks_flat(d):
+    """The flat form (fused decode dots) against the rotation per block in float64: a
+    power-of-two block (Hadamard) and a dense one, on [rows, blocks·d] inputs."""
+    from tqjax.quant.rotation import rotate_blocks_flat
+    rot = make_rotation(d, seed=3)
+    x = np.random.default_rng(2).standard_normal((2, 5 * d)).astype(np.float32)
+    t = np.asarray(hadamard_transform(jnp.eye(d, dtype=jnp.float32)), np.float64) \
+        if rot.matrix is None else np.asarray(rot.matrix, np.float64)
+    blocks = x.reshape(2, 5, d).astype(np.float64) * np.asarray(rot.signs)
+    expected = np.einsum("rbi,oi->rbo", blocks, t).reshape(2, 5 * d)
+    got = rotate_blocks_flat(jnp.asarray(x), rot)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    chex.assert_trees_all_close(np.asarray(got, np.float64), expected, atol=1e-5)
+    chex.assert_trees_all_close(got, jax.vmap(lambda r: rotate(r, rot))(
+        jnp.asarray(x).reshape(2, 5, d)).reshape(2, 5 * d), atol=1e-5)
+    with pytest.raises(TqjaxError):
+        rotate_blocks_flat(jnp.ones((1, d + 1)), rot)
+
+
 @pytest.mark.parametrize("d", [64, 96])
 def test_rotation_determinism_and_dtype(d):
     chex.assert_trees_all_equal(make_rotation(d, 11), make_rotation(d, 11))

@@ -51,7 +51,14 @@ from tqjax.pallas.dequant_matmul import supported as dequant_supported
 from tqjax.quant import ggml, tiling
 from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.packing import pack_bits, unpack_bits
-from tqjax.quant.rotation import Rotation, make_rotation, rotate, unrotate
+from tqjax.quant.rotation import (
+    MATMUL_MAX_DIM,
+    Rotation,
+    make_rotation,
+    rotate,
+    rotate_blocks_flat,
+    unrotate,
+)
 from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 
 KINDS = ("tq", "sym", "affine")
@@ -88,13 +95,17 @@ def _per_block(fn: Any, x: jax.Array, rot: Rotation) -> jax.Array:
     return fn(x.reshape(*x.shape[:-1], x.shape[-1] // b, b), rot).reshape(x.shape)
 
 
-def rotate_input(x: jax.Array, w: QuantizedLinear) -> jax.Array:
-    """Zero-pad x [..., in] to the padded input dim and rotate each group (if w is rotated)."""
+def rotate_input(x: jax.Array, w: QuantizedLinear, flat: bool = False) -> jax.Array:
+    """Zero-pad x [..., in] to the padded input dim and rotate each group (if w is rotated).
+    flat: computed as `rotate_blocks_flat` (for the fused decode dots; rotation blocks up to
+    `rotation.MATMUL_MAX_DIM`)."""
     pad = w.padded_in - x.shape[-1]
     if pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     if w.rotation is None:
         return x
+    if flat and w.rotation.dim <= MATMUL_MAX_DIM:
+        return rotate_blocks_flat(x, w.rotation)
     return _per_block(rotate, x, w.rotation)
 
 
@@ -208,11 +219,15 @@ def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
     if isinstance(w, ggml.GGMLLinear):  # GGUF blocks kept as the file has them
         return ggml.linear(x, w, backend)
     if isinstance(w, QuantizedLinear):
-        xr = rotate_input(x, w)
+        rows = math.prod(x.shape[:-1])
+        pallas = resolve_backend(backend) == "pallas" and dequant_supported(
+            (rows, w.padded_in), w)
+        fused = not pallas and use_fused(rows)
+        xr = rotate_input(x, w, flat=fused)
         x2 = xr.reshape(-1, xr.shape[-1])
-        if resolve_backend(backend) == "pallas" and dequant_supported(x2.shape, w):
+        if pallas:
             y = dequant_matmul(x2, w)
-        elif use_fused(x2.shape[0]):
+        elif fused:
             y = _linear_fused(x2, w).astype(x.dtype)
         else:
             y = _tiled_matmul(x2, w)
