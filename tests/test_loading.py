@@ -146,9 +146,10 @@ def test_gguf_blocks_are_the_files_bytes_in_hf_order(tiny_gguf):
     path, rounded, blocks = tiny_gguf
     config, params, _ = load_checkpoint(path, blocks=True)
     assert isinstance(params.embed, ggml.GGMLLinear) and params.embed.ggml_type == T.Q8_0
-    np.testing.assert_array_equal(np.asarray(params.embed.data),
+    np.testing.assert_array_equal(np.asarray(ggml.file_blocks(params.embed)),
                                   blocks["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(np.asarray(params.lm_head.data), blocks["lm_head.weight"])
+    np.testing.assert_array_equal(np.asarray(ggml.file_blocks(params.lm_head)),
+                                  blocks["lm_head.weight"])
     for i, lp in enumerate(params.layers):
         for field, hf_name in LINEAR_FIELDS.items():
             w, name = getattr(lp, field), f"model.layers.{i}.{hf_name}.weight"
@@ -157,7 +158,7 @@ def test_gguf_blocks_are_the_files_bytes_in_hf_order(tiny_gguf):
                 np.testing.assert_array_equal(np.asarray(w), rounded[name].T)
                 continue
             assert w.ggml_type == ggml_type(name) and w.in_features == rounded[name].shape[1]
-            np.testing.assert_array_equal(np.asarray(w.data), blocks[name])
+            np.testing.assert_array_equal(np.asarray(ggml.file_blocks(w)), blocks[name])
     # dense tensors stay dense, in the requested dtype
     _, p16, _ = load_checkpoint(path, "bfloat16", blocks=True)
     assert p16.final_norm.dtype == jnp.bfloat16 and p16.layers[0].wq.ggml_type == T.Q4_0

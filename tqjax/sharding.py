@@ -200,9 +200,10 @@ def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
         split = _spec(mesh, cols, rows)
         return jax.tree.map(lambda _: rep, w).replace(
             packed=split, scale=split, offset=None if w.offset is None else split)
-    if isinstance(w, GGMLLinear):  # data [out, in-blocks · type size], cut at block boundaries
+    if isinstance(w, GGMLLinear):  # head, codes [out, in-blocks · bytes], cut at block boundaries
         rows, cols = dims(w.in_features // w.block, w.out_features)
-        return w.replace(data=_spec(mesh, cols, rows))
+        split = _spec(mesh, cols, rows)
+        return w.replace(head=split, codes=split)
     k, n = w.shape
     return _spec(mesh, *dims(k, n))
 

@@ -87,7 +87,7 @@ def ggml_main(repeats: int, as_json: bool) -> int:
         t = GGMLQuantizationType[tname]
         block, size = GGML_QUANT_SIZES[t]
         data = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
-        w = ggml.GGMLLinear(data=jnp.asarray(data), ggml_type=int(t), in_features=k)
+        w = ggml.from_gguf(data, int(t), (n, k))
         x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
         dense = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
         forms = {

@@ -1,7 +1,8 @@
 """Fused dequantize-and-multiply for GGUF weights kept in their own blocks (Pallas, Triton dialect).
 
 y = x @ Wᵀ for W [N, K] stored as llama.cpp blocks (`tqjax.quant.ggml.GGMLLinear`: per output
-row, K / block blocks of `type_size` bytes), never writing W to memory. The launch follows
+row, K / block blocks of `type_size` bytes, each block's code bytes in one array and the rest in
+another), never writing W to memory. The launch follows
 `tqjax.pallas.dequant_matmul`: each program owns `block_n` output rows and a contiguous range of
 blocks (split-K); `decode` tiling (M <= 8) does a row-wise multiply-and-reduce per activation
 row, `prefill` tiling a [block_m, L] × [L, block_n] dot per sub-block. Per block, each sub-block
@@ -35,13 +36,20 @@ from tqjax.pallas.dequant_matmul import DECODE_ROWS, TARGET_PROGRAMS, Tiling
 T = GGMLQuantizationType
 KERNEL_TYPES: tuple[int, ...] = tuple(int(t) for t in (
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K))
+# the run [start, end) of each block's bytes that holds its codes (Q6_K: the low nibbles; its
+# high bits stay with the scales); a weight keeps those runs in `codes` and the rest of each
+# block in `head` (`tqjax.quant.ggml`)
+CODE_BYTES: dict[int, tuple[int, int]] = {
+    int(T.Q8_0): (2, 34), int(T.Q4_0): (2, 18), int(T.Q4_1): (4, 20), int(T.Q5_0): (6, 22),
+    int(T.Q5_1): (8, 24), int(T.Q4_K): (16, 144), int(T.Q5_K): (48, 176), int(T.Q6_K): (0, 128)}
 
 
 class BlockWeight(Protocol):
     """What the kernel reads of a `tqjax.quant.ggml.GGMLLinear` (structural type, so this
     ground-layer module imports nothing above it)."""
 
-    data: jax.Array  # uint8 [N, K / block · type_size]
+    head: jax.Array  # uint8 [N, K / block · head bytes]: each block's bytes outside its codes
+    codes: jax.Array  # uint8 [N, K / block · code bytes]: each block's code bytes
     ggml_type: int
     in_features: int  # K
 
@@ -94,27 +102,28 @@ def _signed(b: jax.Array) -> jax.Array:
 def _decode_part(t: T, load: object, load1: object, p: int, length: int
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Sub-block p of the current block: (codes int32 [block_n, L], scale f32 [block_n],
-    offset f32 [block_n] or None). load(offsets int32 [L]) gathers bytes int32 [block_n, L]
-    at those offsets within the block; load1(offset) one byte per row, int32 [block_n]."""
+    offset f32 [block_n] or None). load(at, offsets int32 [L]) gathers bytes int32
+    [block_n, L] at at + offsets within the block (at: where the field read starts, static);
+    load1(at) one byte per row, int32 [block_n]."""
     e = p * length + jnp.arange(length, dtype=jnp.int32)  # value index within the block
     if t == T.Q8_0:
-        return _signed(load(2 + e)), _half(load1(0), load1(1)), None
+        return _signed(load(2, e)), _half(load1(0), load1(1)), None
     if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         affine, high = t in (T.Q4_1, T.Q5_1), t in (T.Q5_0, T.Q5_1)
         qh_at = 4 if affine else 2
         qs_at = qh_at + 4 * high
-        q = (load(qs_at + (e & 15)) >> (4 * p)) & 0xF
+        q = (load(qs_at, e & 15) >> (4 * p)) & 0xF
         if high:
-            q = q | (((load(qh_at + (e >> 3)) >> (e & 7)) & 1) << 4)
+            q = q | (((load(qh_at, e >> 3) >> (e & 7)) & 1) << 4)
         d = _half(load1(0), load1(1))
         if affine:
             return q, d, _half(load1(2), load1(3))
         return q - (16 if high else 8), d, None
     if t in (T.Q4_K, T.Q5_K):
         qs_at = 16 + 32 * (t == T.Q5_K)
-        q = (load(qs_at + 32 * (p // 2) + (e & 31)) >> (4 * (p % 2))) & 0xF
+        q = (load(qs_at + 32 * (p // 2), e & 31) >> (4 * (p % 2))) & 0xF
         if t == T.Q5_K:
-            q = q | (((load(16 + (e & 31)) >> p) & 1) << 4)
+            q = q | (((load(16, e & 31) >> p) & 1) << 4)
         if p < 4:
             sc, mn = load1(4 + p) & 0x3F, load1(8 + p) & 0x3F
         else:
@@ -125,34 +134,43 @@ def _decode_part(t: T, load: object, load1: object, p: int, length: int
         return q, d * sc.astype(jnp.float32), -(dmin * mn.astype(jnp.float32))
     if t == T.Q6_K:
         h, r = p // 8, e & 127  # half of the block, index within it
-        ql = (load(64 * h + (r & 63)) >> (4 * ((p % 8) // 4))) & 0xF
-        qh = (load(128 + 32 * h + (r & 31)) >> (2 * ((p % 8) // 2))) & 3
+        ql = (load(64 * h, r & 63) >> (4 * ((p % 8) // 4))) & 0xF
+        qh = (load(128 + 32 * h, r & 31) >> (2 * ((p % 8) // 2))) & 3
         scale = _half(load1(208), load1(209)) * _signed(load1(192 + p)).astype(jnp.float32)
         return (ql | (qh << 4)) - 32, scale, None
     raise TqjaxError(f"ggml_matmul has no decoder for {t.name}")
 
 
-def _kernel(x_ref: object, w_ref: object, o_ref: object, *, ggml_type: int, block: int,
-            type_size: int, blocks_per_split: int, rows: int | None, block_n: int) -> None:
+def _kernel(x_ref: object, head_ref: object, codes_ref: object, o_ref: object, *, ggml_type: int,
+            block: int, type_size: int, blocks_per_split: int, rows: int | None,
+            block_n: int) -> None:
     split = pl.program_id(2)
     t = T(ggml_type)
     parts, length = sub_blocks(ggml_type)
     dtype = x_ref.dtype
     row_ids = jnp.arange(block_n, dtype=jnp.int32)
 
+    c0, c1 = CODE_BYTES[int(ggml_type)]
+    code_size, head_size = c1 - c0, type_size - (c1 - c0)
+
     def body(i: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         b = split * blocks_per_split + i
-        base = b * type_size
 
-        def load(offsets: jax.Array) -> jax.Array:  # [block_n, L]
+        def where(at: int) -> tuple[object, jax.Array]:  # byte `at` of the block: (ref, column)
+            if c0 <= at < c1:
+                return codes_ref, b * code_size + at - c0
+            return head_ref, b * head_size + (at if at < c0 else at - code_size)
+
+        def load(at: int, offsets: jax.Array) -> jax.Array:  # bytes at + offsets, [block_n, L]
+            ref, base = where(at)  # every offset stays in the field that starts at `at`
             shape = (block_n, offsets.shape[0])
             r = jnp.broadcast_to(row_ids[:, None], shape)
             c = jnp.broadcast_to((base + offsets)[None, :], shape)
-            return w_ref[r, c].astype(jnp.int32)
+            return ref[r, c].astype(jnp.int32)
 
-        def load1(offset: int) -> jax.Array:  # [block_n]
-            return w_ref[row_ids, jnp.full((block_n,), base + offset, jnp.int32)].astype(
-                jnp.int32)
+        def load1(at: int) -> jax.Array:  # [block_n]
+            ref, base = where(at)
+            return ref[row_ids, jnp.full((block_n,), base, jnp.int32)].astype(jnp.int32)
 
         acc = list(acc)
         for p in range(parts):
@@ -209,14 +227,15 @@ def _ggml_matmul(x: jax.Array, w: BlockWeight, interpret: bool, tiling: Tiling) 
     out = pl.pallas_call(
         kernel,
         grid=(row_blocks, n // block_n, splits),
-        in_specs=[x_spec, pl.BlockSpec((block_n, w.data.shape[1]), lambda i, j, s: (j, 0))],
+        in_specs=[x_spec, pl.BlockSpec((block_n, w.head.shape[1]), lambda i, j, s: (j, 0)),
+                  pl.BlockSpec((block_n, w.codes.shape[1]), lambda i, j, s: (j, 0))],
         out_specs=pl.BlockSpec((None, mp if block_m is None else block_m, block_n),
                                lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=f"ggml_matmul_{T(w.ggml_type).name.lower()}",
-    )(xp, w.data)
+    )(xp, w.head, w.codes)
     return jnp.sum(out, axis=0)[:m].astype(x.dtype)
 
 

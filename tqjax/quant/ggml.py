@@ -20,10 +20,15 @@ values:
     Q6_K    256   210  16 × 16      6 bits − 32    d·sc (i8)    -
 
 and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in the
-same order). `linear` decodes a cache-sized tile of output rows at a time and multiplies it in
-one dot (XLA), or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An
-embedding table [V, D] is a GGMLLinear with out = V: `gather_rows` is the token lookup and
-`linear` the tied head.
+same order). The bytes are the file's, held in two arrays: each block's run of code bytes
+(`CODE_BYTES`: the nibbles, int8 or 6-bit low/high parts) in `codes`, the rest of each block
+(scales, mins, Q5's high bits) in `head`, both per output row in block order. A decode step's
+fused dots then read each row's codes in order; through whole blocks (scales between the codes)
+XLA:CPU indexed every byte on its own (SmolLM2's Q4_1 576 -> 1536: 0.43 ms against 0.07 ms
+split, issue 22, stop 39). `file_blocks` puts the bytes back in the file's order.
+`linear` decodes a cache-sized tile of output rows at a time and multiplies it in one dot (XLA),
+or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An embedding table [V, D]
+is a GGMLLinear with out = V: `gather_rows` is the token lookup and `linear` the tied head.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqjax.errors import TqjaxError
 from tqjax.pallas import ggml_matmul as gm
 from tqjax.pallas.backend import resolve as resolve_backend
+from tqjax.pallas.ggml_matmul import CODE_BYTES
 from tqjax.quant import tiling
 from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 
@@ -54,15 +60,17 @@ UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot,
 
 @struct.dataclass
 class GGMLLinear:
-    """One GGUF-quantized weight [out, in] in the file's blocks, used as x @ Wᵀ ([in, out])."""
+    """One GGUF-quantized weight [out, in] in the file's blocks, used as x @ Wᵀ ([in, out]),
+    each block split into its code bytes and the rest (see the module docstring)."""
 
-    data: jax.Array  # uint8 [N_out, in / block * type_size]: each row's blocks along the input
+    head: jax.Array  # uint8 [N_out, in / block · head bytes]: scales (mins, high bits) per block
+    codes: jax.Array  # uint8 [N_out, in / block · code bytes]: each block's codes
     ggml_type: int = struct.field(pytree_node=False, default=int(T.Q8_0))
     in_features: int = struct.field(pytree_node=False, default=0)
 
     @property
     def out_features(self) -> int:
-        return self.data.shape[0]
+        return self.codes.shape[0]
 
     @property
     def block(self) -> int:  # values per block
@@ -84,6 +92,30 @@ def _check_type(ggml_type: int) -> None:
                          f"(supported: {names})")
 
 
+def _split(blocks: Any, ggml_type: int) -> tuple[Any, Any]:
+    """Blocks uint8 [..., nb, type_size] (numpy or jax) -> (head [..., nb · head bytes],
+    codes [..., nb · code bytes])."""
+    c0, c1 = CODE_BYTES[int(ggml_type)]
+    lib = jnp if isinstance(blocks, jax.Array) else np
+    lead = blocks.shape[:-2]
+    head = lib.concatenate([blocks[..., :c0], blocks[..., c1:]], axis=-1)
+    return head.reshape(*lead, -1), blocks[..., c0:c1].reshape(*lead, -1)
+
+
+def _blocks_of(head: jax.Array, codes: jax.Array, w: GGMLLinear) -> jax.Array:
+    """(head, codes) of some rows [..., bytes] -> the file's blocks uint8 [..., nb, type_size]."""
+    c0, _ = CODE_BYTES[int(w.ggml_type)]
+    nb = w.in_features // w.block
+    h = head.reshape(*head.shape[:-1], nb, -1)
+    c = codes.reshape(*codes.shape[:-1], nb, -1)
+    return jnp.concatenate([h[..., :c0], c, h[..., c0:]], axis=-1)
+
+
+def file_blocks(w: GGMLLinear) -> jax.Array:
+    """The weight's bytes as the file stores them, uint8 [N, in / block · type_size]."""
+    return _blocks_of(w.head, w.codes, w).reshape(w.out_features, -1)
+
+
 def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> GGMLLinear:
     """A GGMLLinear from a GGUF tensor's raw bytes (`ReaderTensor.data`, uint8 [out, row bytes]
     or any array viewing the same bytes), its `tensor_type` and HF shape (out, in)."""
@@ -98,18 +130,20 @@ def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> GGMLL
     if raw.size != out * row_bytes:
         raise TqjaxError(f"{T(ggml_type).name} weight [{out}, {inp}] needs {out * row_bytes} "
                          f"bytes, got {raw.size}")
-    return GGMLLinear(jnp.asarray(raw.reshape(out, row_bytes)), int(ggml_type), inp)
+    head, codes = _split(raw.reshape(out, inp // block, type_size), ggml_type)
+    return GGMLLinear(jnp.asarray(head), jnp.asarray(codes), int(ggml_type), inp)
 
 
 def permute_rows(w: GGMLLinear, perm: np.ndarray) -> GGMLLinear:
     """w with output rows reordered, row i of the result = row perm[i] of w (a row's blocks move
     together, so this is exact; llama's Q/K un-permutation is such a reordering)."""
-    return w.replace(data=w.data[jnp.asarray(perm)])
+    rows = jnp.asarray(perm)
+    return w.replace(head=w.head[rows], codes=w.codes[rows])
 
 
 def weight_bytes(w: GGMLLinear) -> int:
     """Bytes the weight occupies (and a decode step reads): out · in / block · type_size."""
-    return math.prod(w.data.shape)
+    return math.prod(w.head.shape) + math.prod(w.codes.shape)
 
 
 def bits_per_weight(w: GGMLLinear) -> float:
@@ -193,11 +227,6 @@ def decode_blocks(blocks: jax.Array, ggml_type: int
     raise TqjaxError(f"GGML type {t.name} is not supported as kept blocks")
 
 
-def _blocks(data: jax.Array, w: GGMLLinear) -> jax.Array:
-    """uint8 [..., row bytes] -> [..., nb, type_size]."""
-    return data.reshape(*data.shape[:-1], w.in_features // w.block, w.type_size)
-
-
 def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
     """Decoded values f32 [..., nb, S, L] (gguf's operation order: scale · q, then + offset)."""
     v = scale[..., None] * q.astype(jnp.float32)
@@ -206,7 +235,7 @@ def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Arr
 
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
     """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
-    return _values(*decode_blocks(_blocks(w.data, w), w.ggml_type)).reshape(
+    return _values(*decode_blocks(_blocks_of(w.head, w.codes, w), w.ggml_type)).reshape(
         w.out_features, w.in_features)
 
 
@@ -218,7 +247,7 @@ def dequantize(w: GGMLLinear) -> jax.Array:
 def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
     """Rows `ids` int [...] of the weight, f32 [..., in]: the token lookup of an embedding table
     [V, D] stored with out = V (decodes only the gathered rows)."""
-    rows = _blocks(w.data[ids], w)  # [..., nb, type_size]
+    rows = _blocks_of(w.head[ids], w.codes[ids], w)  # [..., nb, type_size]
     return _values(*decode_blocks(rows, w.ggml_type)).reshape(*ids.shape, w.in_features)
 
 
@@ -233,8 +262,11 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
-        data = jax.lax.dynamic_slice_in_dim(w.data, start, size, axis=0)
-        v = _values(*decode_blocks(_blocks(data, w), w.ggml_type)).reshape(size, -1)
+        def cut(a: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
+
+        v = _values(*decode_blocks(_blocks_of(cut(w.head), cut(w.codes), w), w.ggml_type)
+                    ).reshape(size, -1)
         return jax.lax.dot_general(x, v.astype(x.dtype), (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
@@ -248,26 +280,91 @@ def _decode_then_dot(x: jax.Array, w: GGMLLinear) -> jax.Array:
     return _linear_tiled(x, w, size if size <= UNTILED_WEIGHTS else TILE_WEIGHTS)
 
 
+def _positions(ggml_type: int) -> int:
+    """Code positions per code byte: 2 nibbles for the 4/5-bit types, 1 for Q8_0."""
+    return 1 if T(ggml_type) == T.Q8_0 else 2
+
+
+def code_order(w: GGMLLinear) -> np.ndarray:
+    """int32 [in]: the input index of every code as `_position_values` lays them out, position
+    by position (the low nibbles of every code byte of the row, then the high ones): x[:, order]
+    is the input in the order the fused dots read the codes."""
+    t, nb = T(w.ggml_type), w.in_features // w.block
+    if t == T.Q8_0:
+        return np.arange(w.in_features, dtype=np.int32)
+    b = np.arange(nb)
+    if t in (T.Q4_K, T.Q5_K):  # code byte (chunk c, l) holds sub-blocks 2c (low) and 2c + 1
+        c, lane = np.arange(4)[None, :, None], np.arange(32)[None, None, :]
+        parts = [b[:, None, None] * QK_K + (2 * c + j) * 32 + lane for j in range(2)]
+    elif t == T.Q6_K:  # low-nibble byte (half h, m) holds values 128h + m and 128h + 64 + m
+        h, m = np.arange(2)[None, :, None], np.arange(64)[None, None, :]
+        parts = [b[:, None, None] * QK_K + h * 128 + j * 64 + m for j in range(2)]
+    else:  # Q4_x/Q5_x: code byte i holds values i (low nibble) and 16 + i
+        parts = [b[:, None] * 32 + j * 16 + np.arange(16)[None, :] for j in range(2)]
+    return np.concatenate([p.ravel() for p in parts]).astype(np.int32)
+
+
+def _position_values(w: GGMLLinear, b0: int, b1: int, j: int) -> jax.Array:
+    """Blocks b0..b1-1 decoded at code position j (see `code_order`), f32 [N, (b1 - b0) ·
+    code bytes] in the order of the codes: the same f32 operations as `decode_blocks`."""
+    t, n, r = T(w.ggml_type), w.out_features, b1 - b0
+    c0, c1 = CODE_BYTES[int(t)]
+    cb = c1 - c0
+    codes = w.codes[:, b0 * cb:b1 * cb].reshape(n, r, cb)
+    head = w.head.reshape(n, w.in_features // w.block, -1)[:, b0:b1]  # [N, r, head bytes]
+    if t == T.Q8_0:
+        q = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)
+        return _values(q, _f16(head[..., 0:2]), None).reshape(n, -1)
+    if t == T.Q6_K:  # head: qh [64], int8 scales [16], d; value 128h + 64j + 32a + l
+        low = (_i32(codes).reshape(n, r, 2, 2, 32) >> 4 * j) & 0xF  # [N, r, h, a, l]
+        qh = _i32(head[..., 0:64]).reshape(n, r, 2, 1, 32)
+        shifts = (2 * (2 * j + jnp.arange(2, dtype=jnp.int32)))[:, None]  # [a, 1]
+        q = (low | (((qh >> shifts) & 3) << 4)) - 32
+        sc = jax.lax.bitcast_convert_type(head[..., 64:80], jnp.int8).astype(jnp.float32)
+        scale = (_f16(head[..., 80:82])[..., None] * sc).reshape(n, r, 2, 2, 4)[..., j, :]
+        return _values(q.reshape(n, r, 2, 4, 16), scale, None).reshape(n, -1)
+    if t in (T.Q4_K, T.Q5_K):
+        q = (_i32(codes).reshape(n, r, 4, 32) >> 4 * j) & 0xF  # sub-blocks 2c + j
+        if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
+            shifts = (2 * jnp.arange(4, dtype=jnp.int32) + j)[:, None]
+            q = q | (((_i32(head[..., 16:48])[..., None, :] >> shifts) & 1) << 4)
+        d, dmin = _f16(head[..., 0:2]), _f16(head[..., 2:4])
+        sc, mn = _k_scale_min(head[..., 4:4 + K_SCALE_SIZE])
+        scale = (d[..., None] * sc.reshape(n, r, 8).astype(jnp.float32))[..., j::2]
+        offset = -(dmin[..., None] * mn.reshape(n, r, 8).astype(jnp.float32))[..., j::2]
+        return _values(q, scale, offset).reshape(n, -1)
+    affine, high = t in (T.Q4_1, T.Q5_1), t in (T.Q5_0, T.Q5_1)
+    q = (_i32(codes) >> 4 * j) & 0xF  # [N, r, 16]: values 16j + i
+    if high:  # bit 16j + i of the 32-bit qh (after d, m) is value 16j + i's fifth bit
+        at = (4 if affine else 2) + 2 * j
+        bits = _i32(head[..., at]) | (_i32(head[..., at + 1]) << 8)
+        q = q | (((bits[..., None] >> jnp.arange(16, dtype=jnp.int32)) & 1) << 4)
+    d = _f16(head[..., 0:2])  # [N, r]
+    if affine:
+        return _values(q, d, _f16(head[..., 2:4])).reshape(n, -1)
+    return _values(q - (16 if high else 8), d, None).reshape(n, -1)
+
+
 def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
     """x [M, in] -> [M, out] f32 for a few rows M (decode): per row, vector · decode(W)ᵀ in
     runs of whole blocks (`tqjax.quant.tiling`), so the only bytes read are the file's blocks
-    and nothing is written (scripts/research/bench_linear.py --ggml: Q8_0/Q4_x/Q5_x take
-    0.75-1.2x the time of the f32 weight's dot, Q4_K 1.6-2x, Q6_K 2.4-3x; decode-then-dot
-    1.5-18x).
+    and nothing is written: one dot per code position and run reads the codes in order
+    against x taken once in `code_order` (SmolLM2's Q4_1 576 -> 1536: 0.07 ms against 0.43 ms
+    decoding whole blocks, the f32 weight's dot 0.11 ms; issue 22, stop 39).
     """
-    runs = run_edges(w.in_features // w.block, w.type_size, w.block, tiling.GGML_FUSED_VALUES)
-    edges = [e * w.block for e in runs]  # input offsets
-    blocks = _blocks(w.data, w)  # [N, nb, type_size]
-    # each run's decoded values [N, b - a]: an expression XLA fuses into every dot reading it
-    values = [_values(*decode_blocks(blocks[:, a // w.block:b // w.block], w.ggml_type)
-                      ).reshape(w.out_features, -1)
-              for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    nb = w.in_features // w.block
+    runs = run_edges(nb, w.type_size, w.block, tiling.GGML_FUSED_VALUES)  # in blocks
+    spans = list(zip(runs[:-1], runs[1:], strict=True))
+    cb = CODE_BYTES[int(w.ggml_type)][1] - CODE_BYTES[int(w.ggml_type)][0]
+    xs = jnp.take(x.astype(jnp.float32), jnp.asarray(code_order(w)), axis=1)  # [M, in]
+    # (offset in xs, length, decoded values [N, length]) per run and code position
+    parts = [((j * nb + b0) * cb, (b1 - b0) * cb, _position_values(w, b0, b1, j))
+             for b0, b1 in spans for j in range(_positions(w.ggml_type))]
 
     def row(xv: jax.Array) -> jax.Array:  # [in] -> [N]
-        return sum_parts([jnp.dot(xv[a:b], v.T)
-                          for a, b, v in zip(edges[:-1], edges[1:], values, strict=True)])
+        return sum_parts([jnp.dot(xv[a:a + size], v.T) for a, size, v in parts])
 
-    return jnp.stack([row(x[i].astype(jnp.float32)) for i in range(x.shape[0])])
+    return jnp.stack([row(xs[i]) for i in range(x.shape[0])])
 
 
 def linear(x: jax.Array, w: GGMLLinear, backend: str | None = None) -> jax.Array:
