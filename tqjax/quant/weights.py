@@ -165,10 +165,12 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     code position j in a unit of whole bytes (`_unit`: the two nibbles of a byte, the 8 codes
     of 3 bytes), whose operand decodes code j of every unit where the dot reads it: shift and
     mask, the level (codes + lowest level for integer formats, a LUT lookup for "tq"), scale
-    (+ offset). Measured (scripts/research/bench_linear.py, M = 1, runs under
-    `tiling.FUSED_BYTES` per row): int8 1.3-2.7x faster than the f32 weight's dot, int4 0.6-1.9x
-    as fast; tq4 0.6x on 576/896/1536 -> N, 1.0x on 4864 -> 896, 0.3x on 8960 -> 1536 (two runs;
-    the codebook lookup does not vectorise like the integer levels); `_tiled_matmul` 0.3-0.6x.
+    (+ offset). x must come flat (`rotate_input(..., flat=True)`): read through a reshape of
+    the rotation's [blocks, dim] output, every element of x was fetched on its own (SmolLM2's
+    576 -> 1536 tq4 projection, 30 in a chain: 0.51 ms a call against 0.19 flat, the f32
+    weight's dot 0.11; issue 22, stop 39). Older measurements (scripts/research/bench_linear.py,
+    M = 1, runs under `tiling.FUSED_BYTES` per row): int8 1.3-2.7x faster than the f32 weight's
+    dot, int4 0.6-1.9x as fast; `_tiled_matmul` 0.3-0.6x.
     """
     c, ub = _unit(w.bits)
     n, units, gu = w.out_features, w.padded_in // c, w.group // c  # gu: units per group
