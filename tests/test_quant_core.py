@@ -222,6 +222,21 @@ def test_pack_round_trip(bits, groups, lead, seed):
     np.testing.assert_array_equal(unpack_bits(packed, bits, n), codes)
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_unpack_planes_are_the_codes_in_planar_order(bits):
+    """Plane j holds code j of every whole-byte unit; concatenated they are the codes taken at
+    `planar_order` (the turbo caches' dequantization reads them plane by plane)."""
+    from tqjax.quant.packing import planar_order, unit, unpack_planes
+    n = 8 * 3 * unit(bits)[0]
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, (2, n)).astype(np.uint8)
+    planes = unpack_planes(pack_bits(jnp.asarray(codes), bits), bits, n)
+    assert len(planes) == unit(bits)[0] and all(p.dtype == jnp.uint8 for p in planes)
+    order = planar_order(n, bits)
+    assert sorted(order) == list(range(n))
+    np.testing.assert_array_equal(np.concatenate(planes, axis=-1), codes[:, order])
+    np.testing.assert_array_equal(planes[-1][:, 0], codes[:, unit(bits)[0] - 1])
+
+
 def test_pack_layout_little_endian():
     # 3 bits: codes 1..7,0 → stream bits (LSB first) 100 010 110 001 101 011 111 000
     packed = pack_bits(jnp.array([1, 2, 3, 4, 5, 6, 7, 0], jnp.uint8), 3)

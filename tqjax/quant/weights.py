@@ -50,7 +50,7 @@ from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
 from tqjax.quant import ggml, tiling
 from tqjax.quant.codebook import lloyd_max
-from tqjax.quant.packing import pack_bits, unpack_bits
+from tqjax.quant.packing import pack_bits, unit, unpack_bits
 from tqjax.quant.rotation import (
     MATMUL_MAX_DIM,
     Rotation,
@@ -152,27 +152,22 @@ def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     return column_tiles(tile, x.shape[0], n, rows, x.dtype)
 
 
-def _unit(bits: int) -> tuple[int, int]:
-    """(codes, bytes) of the smallest whole-byte run of `bits`-bit codes: (2, 1) for 4 bits,
-    (8, 3) for 3 bits, (1, 1) for 8."""
-    codes = 8 // math.gcd(8, bits)
-    return codes, codes * bits // 8
-
-
 def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     """x [M, K_pad] (rotated) @ Ŵ -> [M, N] f32 for a few rows M (decode, CPU), never writing
     Ŵ: per row and per run of input groups (`tqjax.quant.tiling`), one vector-matrix dot per
-    code position j in a unit of whole bytes (`_unit`: the two nibbles of a byte, the 8 codes
-    of 3 bytes), whose operand decodes code j of every unit where the dot reads it: shift and
-    mask, the level (codes + lowest level for integer formats, a LUT lookup for "tq"), scale
-    (+ offset). x must come flat (`rotate_input(..., flat=True)`): read through a reshape of
-    the rotation's [blocks, dim] output, every element of x was fetched on its own (SmolLM2's
+    code position j in a unit of whole bytes (`packing.unit`: the two nibbles of a byte, the
+    8 codes of 3 bytes), whose operand decodes code j of every unit where the dot reads it:
+    shift and mask, the level (codes + lowest level for integer formats, a LUT lookup for
+    "tq"), scale (+ offset).
+
+    x must come flat (`rotate_input(..., flat=True)`): read through a reshape of the
+    rotation's [blocks, dim] output, each element of x was fetched on its own (SmolLM2's
     576 -> 1536 tq4 projection, 30 in a chain: 0.51 ms a call against 0.19 flat, the f32
-    weight's dot 0.11; issue 22, stop 39). Older measurements (scripts/research/bench_linear.py,
-    M = 1, runs under `tiling.FUSED_BYTES` per row): int8 1.3-2.7x faster than the f32 weight's
-    dot, int4 0.6-1.9x as fast; `_tiled_matmul` 0.3-0.6x.
+    weight's dot 0.11; issue 22, stop 39). Older measurements (research/bench_linear.py,
+    M = 1, runs under `tiling.FUSED_BYTES` per row): int8 1.3-2.7x faster than the f32
+    weight's dot, int4 0.6-1.9x as fast; `_tiled_matmul` 0.3-0.6x.
     """
-    c, ub = _unit(w.bits)
+    c, ub = unit(w.bits)
     n, units, gu = w.out_features, w.padded_in // c, w.group // c  # gu: units per group
     groups = units // gu
     if gu * ub < tiling.FUSED_BYTES:  # runs of whole groups
