@@ -21,14 +21,15 @@ values:
 
 and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in the
 same order). The bytes are the file's, held in two arrays: each block's run of code bytes
-(`CODE_BYTES`: the nibbles, int8 or 6-bit low/high parts) in `codes`, the rest of each block
-(scales, mins, Q5's high bits) in `head`, both per output row in block order. A decode step's
-fused dots then read each row's codes in order; through whole blocks (scales between the codes)
-XLA:CPU indexed every byte on its own (SmolLM2's Q4_1 576 -> 1536: 0.43 ms against 0.07 ms
-split, issue 22, stop 39). `file_blocks` puts the bytes back in the file's order.
-`linear` decodes a cache-sized tile of output rows at a time and multiplies it in one dot (XLA),
-or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An embedding table [V, D]
-is a GGMLLinear with out = V: `gather_rows` is the token lookup and `linear` the tied head.
+(`CODE_BYTES`: the nibbles or int8 codes; Q6_K's low nibbles) in `codes`, the rest of each
+block (scales, mins, Q5's and Q6_K's high bits) in `head`, both per output row in block
+order. A decode step's fused dots then read each row's codes in order; through whole blocks
+(scales between the codes) XLA:CPU indexed every byte on its own (SmolLM2's Q4_1 576 -> 1536:
+0.43 ms against 0.07 ms split, issue 22, stop 39). `file_blocks` puts the bytes back in the
+file's order. `linear` decodes a cache-sized tile of output rows at a time and multiplies it
+in one dot (XLA), or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An
+embedding table [V, D] is a GGMLLinear with out = V: `gather_rows` is the token lookup and
+`linear` the tied head.
 """
 
 from __future__ import annotations
@@ -92,14 +93,12 @@ def _check_type(ggml_type: int) -> None:
                          f"(supported: {names})")
 
 
-def _split(blocks: Any, ggml_type: int) -> tuple[Any, Any]:
-    """Blocks uint8 [..., nb, type_size] (numpy or jax) -> (head [..., nb · head bytes],
-    codes [..., nb · code bytes])."""
+def _split(blocks: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks uint8 [N, nb, type_size] -> (head [N, nb · head bytes], codes [N, nb · code
+    bytes]); `_blocks_of` is the inverse."""
     c0, c1 = CODE_BYTES[int(ggml_type)]
-    lib = jnp if isinstance(blocks, jax.Array) else np
-    lead = blocks.shape[:-2]
-    head = lib.concatenate([blocks[..., :c0], blocks[..., c1:]], axis=-1)
-    return head.reshape(*lead, -1), blocks[..., c0:c1].reshape(*lead, -1)
+    head = np.concatenate([blocks[..., :c0], blocks[..., c1:]], axis=-1)
+    return head.reshape(len(blocks), -1), blocks[..., c0:c1].reshape(len(blocks), -1)
 
 
 def _blocks_of(head: jax.Array, codes: jax.Array, w: GGMLLinear) -> jax.Array:
