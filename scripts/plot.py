@@ -38,7 +38,7 @@ def load_bench(folder: Path) -> list[dict]:
             continue
         data = json.loads(path.read_text())
         if data.get("schema", "").startswith("tqjax-bench/"):
-            runs.append(data)
+            runs.append(data | {"file": path})
     return runs
 
 
@@ -152,18 +152,24 @@ def weights_figure(runs: list[dict], out: Path, note: str) -> Path | None:
 
 
 def weight_label(run: dict) -> str:
-    """f32, int8, tq4, mixed 4.25, gguf, or "checkpoint (QuantizedLinear)" for a saved one."""
+    """f32, int8, tq4, mixed 4.25, gguf, or for a saved checkpoint "tq4 (checkpoint)" (the
+    format its results file names) or "checkpoint (QuantizedLinear)"."""
     w, loaded = run["weights"], run.get("weights_loaded", "dense")
     if w != "none":
         return f"{w} {run['bpw']:g}" if run.get("bpw") else w
     if loaded != "dense" and not run["model_path"].endswith(".gguf"):
-        return f"checkpoint ({loaded})"
+        name = Path(run.get("file", "")).name  # results/current: w-<format>_kv-...json
+        fmt = name[2:name.index("_kv-")] if name.startswith("w-") and "_kv-" in name else None
+        return f"{fmt} (checkpoint)" if fmt else f"checkpoint ({loaded})"
     return "f32" if loaded == "dense" else loaded
 
 
 def model_of(run: dict) -> str:
-    """The model a run belongs to: the sweep's folder (a checkpoint counts as its source)."""
-    return run.get("sweep", {}).get("model", run["model"])
+    """The model a run belongs to: the sweep's or the results folder (a checkpoint counts as
+    its source)."""
+    if "sweep" in run:
+        return run["sweep"]["model"]
+    return Path(run["file"]).parent.name if "file" in run else run["model"]
 
 
 def dppl_figure(files: list[Path], out: Path, note: str) -> Path | None:
