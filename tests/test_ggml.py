@@ -224,3 +224,17 @@ def test_real_model_logits_match_dequantized(model_name, real_model):
     want, got = tqjax.logits(ref, ids), tqjax.logits(model, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_orbax_names_the_old_gguf_layout():
+    """An orbax checkpoint whose GGUF weights were saved as whole blocks (`data`, before the
+    code/scale split) gets a one-line error that says to save it again."""
+    from tqjax.models.orbax_checkpoint import _decode
+    old = {"type": "GGMLLinear", "fields": {"data": {"shape": [4, 34], "dtype": "uint8"}},
+           "static": {"ggml_type": int(T.Q8_0), "in_features": 32}}
+    with pytest.raises(TqjaxError, match="save the checkpoint again"):
+        _decode(old)
+    new = {"type": "GGMLLinear", "fields": {"head": {"shape": [4, 2], "dtype": "uint8"},
+                                            "codes": {"shape": [4, 32], "dtype": "uint8"}},
+           "static": {"ggml_type": int(T.Q8_0), "in_features": 32}}
+    assert _decode(new).codes.shape == (4, 32)

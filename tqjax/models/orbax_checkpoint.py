@@ -93,6 +93,9 @@ def _decode(raw: Any) -> Any:
             return [_decode(x) for x in raw]
         if "type" in raw:
             cls = TYPES[raw["type"]]
+            if cls is GGMLLinear and "data" in raw["fields"]:  # before 4ddeb95: whole blocks
+                raise TqjaxError(f"{META_FILE}: GGUF blocks saved in the layout before the "
+                                 "code/scale split; save the checkpoint again")
             fields = {k: _decode(v) for k, v in raw["fields"].items()}
             return cls(**fields, **raw["static"])
         return jax.ShapeDtypeStruct(tuple(int(n) for n in raw["shape"]), np.dtype(raw["dtype"]))
