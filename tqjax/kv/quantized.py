@@ -42,6 +42,7 @@ from tqjax.quant.packing import (
 from tqjax.quant.rotation import hadamard_transform, rotate, unrotate
 from tqjax.quant.turboquant import (
     ProdQuantizer,
+    Segment,
     TurboQuantizer,
     dequantize_rotated,
     quantize,
@@ -201,13 +202,20 @@ def pack_codes(q: TurboQuantizer, codes: jax.Array) -> jax.Array:
                             for seg in segments(q)], -1)
 
 
-def unpack_codes(q: TurboQuantizer, packed: jax.Array) -> jax.Array:
-    parts, offset = [], 0
+def _segment_bytes(q: TurboQuantizer, packed: jax.Array) -> list[tuple[Segment, jax.Array]]:
+    """Each segment of q with its packed bytes [..., segment bytes] (`pack_codes`' layout)."""
+    out, offset = [], 0
     for seg in segments(q):
         size = packed_size(seg.count, seg.bits)
-        parts.append(unpack_bits(packed[..., offset:offset + size], seg.bits, seg.count))
+        out.append((seg, packed[..., offset:offset + size]))
         offset += size
-    return jnp.concatenate(parts, -1)
+    return out
+
+
+def unpack_codes(q: TurboQuantizer, packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_codes`: packed uint8 [..., bytes] -> codes uint8 [..., dim]."""
+    return jnp.concatenate([unpack_bits(b, seg.bits, seg.count)
+                            for seg, b in _segment_bytes(q, packed)], -1)
 
 
 def _centre_at(store: Aided, positions: jax.Array) -> jax.Array:
@@ -257,15 +265,13 @@ def _turbo_planes(store: TurboStore) -> list[tuple[np.ndarray, jax.Array]]:
     code position j of its whole-byte units (`packing.unpack_planes`), (the rotated channels
     it holds [n], their values scale·c f32 [B, KV, S, n]). Each plane reads its bytes in order,
     which XLA:CPU vectorises; the interleaved channels did not (issue 22, stop 39)."""
-    out, offset = [], 0
+    out = []
     scale = store.scale.astype(jnp.float32)[..., None]
-    for seg in segments(store.quantizer):
-        size = packed_size(seg.count, seg.bits)
-        planes = unpack_planes(store.packed[..., offset:offset + size], seg.bits, seg.count)
+    for seg, packed in _segment_bytes(store.quantizer, store.packed):
+        planes = unpack_planes(packed, seg.bits, seg.count)
         order = seg.first + planar_order(seg.count, seg.bits).reshape(len(planes), -1)
         out += [(ch, scale * lookup(seg.centroids, codes)) for ch, codes in zip(
             order, planes, strict=True)]
-        offset += size
     return out
 
 

@@ -126,10 +126,10 @@ def unpack_planes(packed: jax.Array, bits: int, n: int) -> list[jax.Array]:
     def plane(j: int) -> jax.Array:  # code j of every unit, uint8 [..., n / c]
         lo, shift = divmod(j * bits, 8)
         hi = (j * bits + bits - 1) // 8
-        word = p[..., lo].astype(jnp.uint16)
-        if hi != lo:  # the code continues in the next byte
-            word = word | (p[..., hi].astype(jnp.uint16) << 8)
-        return ((word >> shift) & mask).astype(jnp.uint8)
+        if hi == lo:
+            return (p[..., lo] >> shift) & mask
+        word = p[..., lo].astype(jnp.uint16) | (p[..., hi].astype(jnp.uint16) << 8)
+        return ((word >> shift) & mask).astype(jnp.uint8)  # the code continues in the next byte
 
     return [plane(j) for j in range(c)]
 

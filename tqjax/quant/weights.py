@@ -50,7 +50,7 @@ from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
 from tqjax.quant import ggml, tiling
 from tqjax.quant.codebook import lloyd_max
-from tqjax.quant.packing import pack_bits, unit, unpack_bits
+from tqjax.quant.packing import pack_bits, unit, unpack_bits, unpack_planes
 from tqjax.quant.rotation import (
     MATMUL_MAX_DIM,
     Rotation,
@@ -175,17 +175,11 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     else:  # each group cut into runs of units
         per = run_edges(gu, ub)
         edges = sorted({g * gu + e for g in range(groups) for e in per})
-    p = w.packed.reshape(n, units, ub)
-    mask = (1 << w.bits) - 1
     lowest = w.lut[0]  # integer levels (sym, affine): lut[code] = code + lut[0]
 
-    def values(a: int, b: int, j: int) -> jax.Array:  # code j of units a..b-1, f32 [n, b - a]
-        lo, shift = divmod(j * w.bits, 8)
-        hi = (j * w.bits + w.bits - 1) // 8
-        word = p[:, a:b, lo]
-        if hi != lo:  # the code continues in the next byte
-            word = word.astype(jnp.uint16) | (p[:, a:b, hi].astype(jnp.uint16) << 8)
-        code = (word >> shift) & mask
+    def values(a: int, b: int, code: jax.Array) -> jax.Array:
+        """Code j of units a..b-1 (uint8 [n, b - a], a `packing.unpack_planes` plane) -> the
+        weights they stand for, f32 [n, b - a]."""
         v = w.lut[code] if w.kind == "tq" else code.astype(jnp.float32) + lowest
         g0, g1 = a // gu, -(-b // gu)
         s = w.scale[:, g0:g1].astype(jnp.float32)
@@ -196,7 +190,8 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
         return v.reshape(n, b - a)
 
     runs = list(zip(edges[:-1], edges[1:], strict=True))
-    vals = {(a, j): values(a, b, j) for a, b in runs for j in range(c)}
+    vals = {(a, j): values(a, b, code) for a, b in runs for j, code in enumerate(
+        unpack_planes(w.packed[:, a * ub:b * ub], w.bits, (b - a) * c))}
 
     def row(xv: jax.Array) -> jax.Array:  # [K_pad] -> [N]
         xu = xv.reshape(units, c)
