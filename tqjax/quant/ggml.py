@@ -19,17 +19,17 @@ values:
     Q5_K    256   176   8 × 32      5 bits         d·sc (6 b)   −dmin·m (6 b)
     Q6_K    256   210  16 × 16      6 bits − 32    d·sc (i8)    -
 
-and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in the
-same order). The bytes are the file's, held in two arrays: each block's run of code bytes
-(`CODE_BYTES`: the nibbles or int8 codes; Q6_K's low nibbles) in `codes`, the rest of each
-block (scales, mins, Q5's and Q6_K's high bits) in `head`, both per output row in block
-order. A decode step's fused dots then read each row's codes in order; through whole blocks
-(scales between the codes) XLA:CPU indexed every byte on its own (SmolLM2's Q4_1 576 -> 1536:
-0.43 ms against 0.07 ms split, issue 22, stop 39). `file_blocks` puts the bytes back in the
-file's order. `linear` decodes a cache-sized tile of output rows at a time and multiplies it
-in one dot (XLA), or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An
-embedding table [V, D] is a GGMLLinear with out = V: `gather_rows` is the token lookup and
-`linear` the tied head.
+and the one decoder here (`_position_values`) reproduces `gguf.quants.dequantize` bit for bit
+(same f32 operations in the same order). The bytes are the file's, held in two arrays: each
+block's run of code bytes (`CODE_BYTES`: the nibbles or int8 codes; Q6_K's low nibbles) in
+`codes`, the rest of each block (scales, mins, Q5's and Q6_K's high bits) in `head`, both per
+output row in block order. A decode step's fused dots then read each row's codes in order;
+through whole blocks (scales between the codes) XLA:CPU indexed every byte on its own
+(SmolLM2's Q4_1 576 -> 1536: 0.43 ms against 0.07 ms split, issue 22, stop 39).
+`file_blocks` puts the bytes back in the file's order. `linear` decodes a cache-sized tile
+of output rows at a time and multiplies it in one dot (XLA), or runs the fused
+`tqjax.pallas.ggml_matmul` kernel (Pallas backend). An embedding table [V, D] is a
+GGMLLinear with out = V: `gather_rows` is the token lookup and `linear` the tied head.
 """
 
 from __future__ import annotations
@@ -95,24 +95,18 @@ def _check_type(ggml_type: int) -> None:
 
 def _split(blocks: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray]:
     """Blocks uint8 [N, nb, type_size] -> (head [N, nb · head bytes], codes [N, nb · code
-    bytes]); `_blocks_of` is the inverse."""
+    bytes]); `file_blocks` is the inverse."""
     c0, c1 = CODE_BYTES[int(ggml_type)]
     head = np.concatenate([blocks[..., :c0], blocks[..., c1:]], axis=-1)
     return head.reshape(len(blocks), -1), blocks[..., c0:c1].reshape(len(blocks), -1)
 
 
-def _blocks_of(head: jax.Array, codes: jax.Array, w: GGMLLinear) -> jax.Array:
-    """(head, codes) of some rows [..., bytes] -> the file's blocks uint8 [..., nb, type_size]."""
-    c0, _ = CODE_BYTES[int(w.ggml_type)]
-    nb = w.in_features // w.block
-    h = head.reshape(*head.shape[:-1], nb, -1)
-    c = codes.reshape(*codes.shape[:-1], nb, -1)
-    return jnp.concatenate([h[..., :c0], c, h[..., c0:]], axis=-1)
-
-
 def file_blocks(w: GGMLLinear) -> jax.Array:
     """The weight's bytes as the file stores them, uint8 [N, in / block · type_size]."""
-    return _blocks_of(w.head, w.codes, w).reshape(w.out_features, -1)
+    c0, _ = CODE_BYTES[int(w.ggml_type)]
+    n, nb = w.out_features, w.in_features // w.block
+    h, c = w.head.reshape(n, nb, -1), w.codes.reshape(n, nb, -1)
+    return jnp.concatenate([h[..., :c0], c, h[..., c0:]], axis=-1).reshape(n, -1)
 
 
 def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> GGMLLinear:
@@ -162,13 +156,6 @@ def _i32(b: jax.Array) -> jax.Array:
     return b.astype(jnp.int32)
 
 
-def _shifted(b: jax.Array, shifts: tuple[int, ...], mask: int) -> jax.Array:
-    """uint8 [..., L] -> int32 [..., len(shifts), L]: (b >> shift) & mask for each shift (a
-    broadcast, not a concatenation, so XLA keeps it inside one vectorized loop)."""
-    sh = jnp.asarray(shifts, jnp.int32)[:, None]
-    return (_i32(b)[..., None, :] >> sh) & mask
-
-
 def _k_scale_min(sc: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Q4_K/Q5_K packed 6-bit scales uint8 [..., 12] -> (scales, mins) int32 [..., 2, 4]
     (sub-block h·4 + i at [h, i]): for h = 0 the low 6 bits of bytes i and 4 + i; for h = 1
@@ -181,61 +168,23 @@ def _k_scale_min(sc: jax.Array) -> tuple[jax.Array, jax.Array]:
     return scale, mins
 
 
-def decode_blocks(blocks: jax.Array, ggml_type: int
-                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """uint8 [..., nb, type_size] -> (q int32 [..., nb, S, L], scale f32 [..., nb, S],
-    offset f32 [..., nb, S] or None): the value at sub-block s, position l is
-    scale · q + offset (see the module table)."""
-    t = T(ggml_type)
-    lead = blocks.shape[:-1]
-    if t == T.Q8_0:
-        q = jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.int32)
-        return q[..., None, :], _f16(blocks[..., 0:2])[..., None], None
-    if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
-        affine = t in (T.Q4_1, T.Q5_1)
-        pos = 4 if affine else 2  # after d (and m)
-        high = t in (T.Q5_0, T.Q5_1)
-        q = _shifted(blocks[..., pos + 4 * high:], (0, 4), 0xF)  # [..., 2, 16]
-        if high:  # bit i of the 32-bit qh is value i's fifth bit
-            bits = _shifted(blocks[..., pos:pos + 4], tuple(range(8)), 1)  # [..., 8 (bit), 4]
-            q = q | (jnp.swapaxes(bits, -1, -2).reshape(*lead, 2, 16) << 4)
-        q = q.reshape(*lead, 1, 32)
-        d = _f16(blocks[..., 0:2])[..., None]
-        if affine:
-            return q, d, _f16(blocks[..., 2:4])[..., None]
-        return q - (16 if high else 8), d, None
-    if t in (T.Q4_K, T.Q5_K):
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, mn = _k_scale_min(blocks[..., 4:4 + K_SCALE_SIZE])  # [..., 2, 4]
-        pos = 4 + K_SCALE_SIZE
-        qs = blocks[..., pos + 32 * (t == T.Q5_K):].reshape(*lead, 4, 32)
-        q = _shifted(qs, (0, 4), 0xF).reshape(*lead, 8, 32)  # sub-block 2c + nibble
-        if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
-            qh = _shifted(blocks[..., pos:pos + 32], tuple(range(8)), 1)  # [..., 8, 32]
-            q = q | (qh << 4)
-        scale = d[..., None] * sc.reshape(*lead, 8).astype(jnp.float32)
-        offset = -(dmin[..., None] * mn.reshape(*lead, 8).astype(jnp.float32))
-        return q, scale, offset
-    if t == T.Q6_K:
-        ql = _shifted(blocks[..., :128].reshape(*lead, 2, 64), (0, 4), 0xF)  # [.., 2, 2, 64]
-        qh = _shifted(blocks[..., 128:192].reshape(*lead, 2, 32), (0, 2, 4, 6), 3)  # [.., 2, 4, 32]
-        q = (ql.reshape(*lead, 8, 32) | (qh.reshape(*lead, 8, 32) << 4)) - 32
-        sc = jax.lax.bitcast_convert_type(blocks[..., 192:208], jnp.int8).astype(jnp.float32)
-        scale = _f16(blocks[..., 208:210])[..., None] * sc
-        return q.reshape(*lead, 16, 16), scale, None
-    raise TqjaxError(f"GGML type {t.name} is not supported as kept blocks")
-
-
 def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
     """Decoded values f32 [..., nb, S, L] (gguf's operation order: scale · q, then + offset)."""
     v = scale[..., None] * q.astype(jnp.float32)
     return v if offset is None else v + offset[..., None]
 
 
+def _code_values(w: GGMLLinear) -> jax.Array:
+    """Every value of w's rows in `code_order`, f32 [N, in] (each code position's
+    `_position_values` over all blocks, one after the other)."""
+    nb = w.in_features // w.block
+    return jnp.concatenate([_position_values(w, 0, nb, j)
+                            for j in range(_positions(w.ggml_type))], axis=-1)
+
+
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
     """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
-    return _values(*decode_blocks(_blocks_of(w.head, w.codes, w), w.ggml_type)).reshape(
-        w.out_features, w.in_features)
+    return _code_values(w)[:, np.argsort(code_order(w))]
 
 
 def dequantize(w: GGMLLinear) -> jax.Array:
@@ -246,8 +195,9 @@ def dequantize(w: GGMLLinear) -> jax.Array:
 def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
     """Rows `ids` int [...] of the weight, f32 [..., in]: the token lookup of an embedding table
     [V, D] stored with out = V (decodes only the gathered rows)."""
-    rows = _blocks_of(w.head[ids], w.codes[ids], w)  # [..., nb, type_size]
-    return _values(*decode_blocks(rows, w.ggml_type)).reshape(*ids.shape, w.in_features)
+    flat = ids.reshape(-1)
+    rows = dequantize_rows(w.replace(head=w.head[flat], codes=w.codes[flat]))
+    return rows.reshape(*ids.shape, w.in_features)
 
 
 # ---------------------------------------------------------------- matmul
@@ -259,15 +209,19 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     tile_weights values) and the blocks are the only full-size copy."""
     n = w.out_features
     rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
+    xs = jnp.take(x, jnp.asarray(code_order(w)), axis=1)  # x in the order of the codes
+    nb, pos = w.in_features // w.block, _positions(w.ggml_type)
+    span = w.in_features // pos  # inputs per code position
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
         def cut(a: jax.Array) -> jax.Array:
             return jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
 
-        v = _values(*decode_blocks(_blocks_of(cut(w.head), cut(w.codes), w), w.ggml_type)
-                    ).reshape(size, -1)
-        return jax.lax.dot_general(x, v.astype(x.dtype), (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        sub = w.replace(head=cut(w.head), codes=cut(w.codes))
+        parts = [jax.lax.dot_general(  # one dot per code position: no concatenated copy
+            xs[:, j * span:(j + 1) * span], _position_values(sub, 0, nb, j).astype(x.dtype),
+            (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) for j in range(pos)]
+        return sum(parts[1:], parts[0])
 
     return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
 
@@ -305,7 +259,8 @@ def code_order(w: GGMLLinear) -> np.ndarray:
 
 def _position_values(w: GGMLLinear, b0: int, b1: int, j: int) -> jax.Array:
     """Blocks b0..b1-1 decoded at code position j (see `code_order`), f32 [N, (b1 - b0) ·
-    code bytes] in the order of the codes: the same f32 operations as `decode_blocks`."""
+    code bytes] in the order of the codes: gguf's f32 operations in its order (scale · q,
+    then + offset), so every value equals `gguf.quants.dequantize`'s."""
     t, n, r = T(w.ggml_type), w.out_features, b1 - b0
     c0, c1 = CODE_BYTES[int(t)]
     cb = c1 - c0
