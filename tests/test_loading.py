@@ -140,6 +140,18 @@ def test_gguf_stream_equals_eager(tiny_gguf, dtype):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_gguf_metadata_comes_before_any_tensor_read(tiny_gguf, monkeypatch):
+    """`on_metadata` (where tqjax.load builds the tokenizer) runs before a tensor byte is read,
+    so its transient memory peaks while no params are resident."""
+    reads: list[int] = []
+    seen: list[tuple[int, int]] = []
+    real = loading.read_file_bytes
+    monkeypatch.setattr(loading, "read_file_bytes", lambda *a: reads.append(1) or real(*a))
+    _, _, meta = load_checkpoint(tiny_gguf[0], blocks=True,
+                                 on_metadata=lambda m: seen.append((len(reads), len(m))))
+    assert seen == [(0, len(meta))] and len(reads) > 0
+
+
 def test_gguf_blocks_are_the_files_bytes_in_hf_order(tiny_gguf):
     from tqjax.quant import ggml
 

@@ -10,7 +10,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from tqjax.errors import TqjaxError
-from tqjax.models.loading import gguf_metadata, open_gguf
+from tqjax.models.loading import gguf_metadata, open_gguf, read_gguf
 from tqjax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
 from .conftest import GOLDEN
@@ -63,6 +63,24 @@ def _write_spm_gguf(path, proto, **extra):
 def spm_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("spm") / "tiny.gguf"
     return tokenizer_from_gguf(_write_spm_gguf(path, _proto(), add_space_prefix=True))
+
+
+def test_read_gguf_metadata_is_the_readers(tmp_path):
+    """read_gguf makes the metadata again after the reader is gone (JSON round trip): the same
+    keys, values and Python types as the reader's own, scores (floats) bit for bit."""
+    path = tmp_path / "tiny.gguf"
+    direct = _write_spm_gguf(path, _proto(), add_space_prefix=True)
+    meta, tensors = read_gguf(path)
+    assert meta == direct and list(meta) == list(direct)
+    for key, value in direct.items():
+        again = meta[key]
+        assert type(again) is type(value), key
+        if isinstance(value, list):
+            assert [type(x) for x in again] == [type(x) for x in value], key
+    scores = np.asarray(meta["tokenizer.ggml.scores"], np.float32)
+    assert np.array_equal(scores.view(np.uint32),
+                          np.asarray(direct["tokenizer.ggml.scores"], np.float32).view(np.uint32))
+    assert list(tensors) == ["model.embed_tokens.weight"]
 
 
 # ------------------------------------------------------------------------- SentencePiece GGUFs

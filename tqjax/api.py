@@ -120,12 +120,15 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     if orbax and weights is not None:
         raise TqjaxError(f"{path} is an orbax checkpoint of finished weights; load it without "
                          f"a weights method")
+    gguf_tokenizer: list[Tokenizer] = []  # built from the metadata before the tensors are read
     if orbax:
         config, params, meta = restore_sharded(path, mesh, dtype)
     else:
-        config, params, meta = load_checkpoint(path, dtype, progress, blocks)
-    if not path.is_dir():
-        tokenizer = tokenizer_from_gguf(meta)
+        config, params, meta = load_checkpoint(
+            path, dtype, progress, blocks,
+            on_metadata=lambda meta: gguf_tokenizer.append(tokenizer_from_gguf(meta)))
+    if gguf_tokenizer:
+        tokenizer = gguf_tokenizer[0]
     elif any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
     else:

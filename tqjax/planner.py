@@ -154,10 +154,7 @@ def parse_bytes(text: str | int) -> int:
 def _tensor_table(path: Path) -> tuple[ModelConfig, dict[str, loading.StoredTensor]]:
     """Config and tensor index of a .gguf file or HF directory (no tensor data read)."""
     if path.is_file() and path.suffix == ".gguf":
-        reader = loading.open_gguf(path)
-        meta = loading.gguf_metadata(reader)
-        tensors = loading.gguf_tensors(path, reader)
-        del reader
+        meta, tensors = loading.read_gguf(path)
         config = loading.config_from_gguf(meta, has_output_weight="lm_head.weight" in tensors)
         return config, tensors
     if path.is_dir() and (path / "config.json").is_file():
