@@ -1,0 +1,36 @@
+"""tqjax's XLA flags: added to XLA_FLAGS on import, never over a flag the user set, and only
+under the jaxlib versions they were measured on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tqjax.xla import FLAGS, flags_for
+
+OURS = " ".join(f"--{k}={v}" for k, v in FLAGS.items())
+
+
+def test_flags_are_added_under_a_tested_jaxlib() -> None:
+    assert flags_for("0.10.2") == OURS == "--xla_cpu_use_fusion_emitters=false"
+    assert flags_for("0.10.0", "--xla_dump_to=/tmp/d") == f"--xla_dump_to=/tmp/d {OURS}"
+
+
+def test_a_flag_the_user_set_is_kept() -> None:
+    mine = "--xla_cpu_use_fusion_emitters=true --xla_dump_to=/tmp/d"
+    assert flags_for("0.10.2", mine) == mine
+
+
+def test_no_flags_under_an_untested_jaxlib() -> None:
+    assert flags_for("0.11.0", "") == ""
+    assert flags_for("1.0.0", "--xla_dump_to=/tmp/d") == "--xla_dump_to=/tmp/d"
+
+
+def test_importing_tqjax_sets_them_before_xla_starts() -> None:
+    code = ("import os, jax.numpy as jnp, tqjax; assert float(jnp.ones(2).sum()) == 2.0; "
+            "print(os.environ['XLA_FLAGS'])")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == flags_for(__import__("jaxlib").__version__)

@@ -1,0 +1,41 @@
+"""The XLA flags tqjax runs with, added to XLA_FLAGS when tqjax is imported (`set_flags`).
+
+`--xla_cpu_use_fusion_emitters=false`: XLA:CPU emits its fused loops as LLVM IR directly, not
+through its MLIR fusion emitters, which keep an MLIR context per fusion while a program
+compiles. Compiling SmolLM2's decode step with a turbo4 cache then takes 90 MB of heap instead
+of 186 MB (f32 cache: 74 MB instead of 116; memray). That is most of what a compressed
+cache's run added to its peak RSS. Decode speed changes by -9% to +23% depending on the path
+(docs/research.md, stop 40). Other backends ignore the flag.
+
+XLA reads XLA_FLAGS once, when the first computation starts, so importing tqjax after JAX has
+run something leaves the flags as they were. A flag already in XLA_FLAGS is left alone (pass
+`--xla_cpu_use_fusion_emitters=true` to keep the MLIR emitters). The flags are only added for
+the jaxlib versions they were measured on, because an unknown flag in XLA_FLAGS aborts the
+process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jaxlib
+
+TESTED_JAXLIB = ((0, 10),)  # (major, minor) versions the flags below were measured on
+FLAGS = {"xla_cpu_use_fusion_emitters": "false"}
+
+
+def flags_for(version: str, current: str = "") -> str:
+    """XLA_FLAGS with tqjax's flags added to `current`: only those it does not set already, and
+    nothing under a jaxlib `version` that has not been tested."""
+    if tuple(int(p) for p in version.split(".")[:2]) not in TESTED_JAXLIB:
+        return current
+    missing = [f"--{k}={v}" for k, v in FLAGS.items() if f"--{k}=" not in current]
+    return " ".join([current, *missing]).strip()
+
+
+def set_flags() -> None:
+    """Add tqjax's flags to the XLA_FLAGS environment variable (see the module docstring)."""
+    os.environ["XLA_FLAGS"] = flags_for(jaxlib.__version__, os.environ.get("XLA_FLAGS", ""))
+
+
+set_flags()
