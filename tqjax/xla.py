@@ -3,9 +3,9 @@
 `--xla_cpu_use_fusion_emitters=false`: XLA:CPU emits its fused loops as LLVM IR directly, not
 through its MLIR fusion emitters, which keep an MLIR context per fusion while a program
 compiles. Compiling SmolLM2's decode step with a turbo4 cache then takes 90 MB of heap instead
-of 186 MB (f32 cache: 74 MB instead of 116; memray). That is most of what a compressed
-cache's run added to its peak RSS. Decode speed changes by -9% to +23% depending on the path
-(docs/research.md, stop 40). Other backends ignore the flag.
+of 169 MB (f32 cache: 75 MB instead of 102; `scripts/research/compile_heap.py`). That was most
+of what a compressed cache's run added to its peak RSS. Decode speed changes by -9% to +23%
+depending on the path (docs/research.md, stop 40). Other backends ignore the flag.
 
 XLA reads XLA_FLAGS once, when the first computation starts, so importing tqjax after JAX has
 run something leaves the flags as they were. A flag already in XLA_FLAGS is left alone (pass
