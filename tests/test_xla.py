@@ -18,13 +18,16 @@ def test_flags_are_added_under_a_tested_jaxlib() -> None:
 
 
 def test_a_flag_the_user_set_is_kept() -> None:
-    mine = "--xla_cpu_use_fusion_emitters=true --xla_dump_to=/tmp/d"
-    assert flags_for("0.10.2", mine) == mine
+    for mine in ("--xla_cpu_use_fusion_emitters=true --xla_dump_to=/tmp/d",
+                 "--xla_cpu_use_fusion_emitters", "--noxla_cpu_use_fusion_emitters"):
+        assert flags_for("0.10.2", mine) == mine
 
 
 def test_no_flags_under_an_untested_jaxlib() -> None:
     assert flags_for("0.11.0", "") == ""
     assert flags_for("1.0.0", "--xla_dump_to=/tmp/d") == "--xla_dump_to=/tmp/d"
+    assert flags_for("0.10rc1") == OURS and flags_for("0.11.0.dev20260101") == ""
+    assert flags_for("unknown") == ""
 
 
 def test_importing_tqjax_sets_them_before_xla_starts() -> None:

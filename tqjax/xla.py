@@ -17,6 +17,7 @@ process.
 from __future__ import annotations
 
 import os
+import re
 
 import jaxlib
 
@@ -27,9 +28,11 @@ FLAGS = {"xla_cpu_use_fusion_emitters": "false"}
 def flags_for(version: str, current: str = "") -> str:
     """XLA_FLAGS with tqjax's flags added to `current`: only those it does not set already, and
     nothing under a jaxlib `version` that has not been tested."""
-    if tuple(int(p) for p in version.split(".")[:2]) not in TESTED_JAXLIB:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) not in TESTED_JAXLIB:
         return current
-    missing = [f"--{k}={v}" for k, v in FLAGS.items() if f"--{k}=" not in current]
+    # a name already there in any form (--name=..., --name, --noname) is the user's choice
+    missing = [f"--{k}={v}" for k, v in FLAGS.items() if k not in current]
     return " ".join([current, *missing]).strip()
 
 
