@@ -152,6 +152,22 @@ def test_gguf_metadata_comes_before_any_tensor_read(tiny_gguf, monkeypatch):
     assert seen == [(0, len(meta))] and len(reads) > 0
 
 
+def test_unsupported_architecture_is_named_before_the_tokenizer(tmp_path):
+    """The config is read before the tokenizer is built: a model tqjax cannot run says so,
+    not that its tokenizer is unsupported."""
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_key_value("tokenizer.ggml.model", "bert", gguf.GGUFValueType.STRING)
+    w.add_key_value("tokenizer.ggml.tokens", ["a", "b"], gguf.GGUFValueType.ARRAY)
+    w.add_tensor("token_embd.weight", np.zeros((2, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(TqjaxError, match="unsupported GGUF architecture 'mamba'"):
+        tqjax.load(path)
+
+
 def test_gguf_blocks_are_the_files_bytes_in_hf_order(tiny_gguf):
     from tqjax.quant import ggml
 

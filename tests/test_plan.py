@@ -165,3 +165,12 @@ def test_planned_context_runs_within_tolerance():
     assert check["loaded_param_bytes"] == check["planned_param_bytes"]
     assert check["allocated_cache_bytes"] == check["planned_cache_bytes"]
     assert check["under_budget"] and abs(check["relative_error"]) <= 0.10, check
+
+
+def test_runtime_constants_follow_the_xla_emitters(monkeypatch):
+    """The fit made with XLA:CPU's LLVM emitters (tqjax's flag) is used only where they run."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    assert planner.runtime() is planner.RUNTIME
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
+    assert planner.runtime() is planner.RUNTIME_MLIR_EMITTERS
+    assert planner.RUNTIME_MLIR_EMITTERS.base > planner.RUNTIME.base

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tqjax.xla import FLAGS, flags_for
+from tqjax.xla import FLAGS, flags_for, llvm_emitters
 
 OURS = " ".join(f"--{k}={v}" for k, v in FLAGS.items())
 
@@ -21,6 +21,18 @@ def test_a_flag_the_user_set_is_kept() -> None:
     for mine in ("--xla_cpu_use_fusion_emitters=true --xla_dump_to=/tmp/d",
                  "--xla_cpu_use_fusion_emitters", "--noxla_cpu_use_fusion_emitters"):
         assert flags_for("0.10.2", mine) == mine
+    # the name inside another flag's value is not the flag
+    other = "--xla_dump_to=/tmp/xla_cpu_use_fusion_emitters_dump"
+    assert flags_for("0.10.2", other) == f"{other} {OURS}"
+
+
+def test_llvm_emitters_reads_the_flag(monkeypatch) -> None:
+    for flags, want in ((OURS, True), ("", False), ("--xla_cpu_use_fusion_emitters=true", False),
+                        ("--xla_cpu_use_fusion_emitters", False),
+                        ("--noxla_cpu_use_fusion_emitters", True),
+                        (f"{OURS} --xla_cpu_use_fusion_emitters=1", False)):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert llvm_emitters() is want, flags
 
 
 def test_no_flags_under_an_untested_jaxlib() -> None:
@@ -31,8 +43,9 @@ def test_no_flags_under_an_untested_jaxlib() -> None:
 
 
 def test_importing_tqjax_sets_them_before_xla_starts() -> None:
-    code = ("import os, jax.numpy as jnp, tqjax; assert float(jnp.ones(2).sum()) == 2.0; "
-            "print(os.environ['XLA_FLAGS'])")
+    code = ("import os, jax.numpy as jnp, tqjax, tqjax.serve.engine, tqjax.commands.bench; "
+            "from jax._src import xla_bridge; assert not xla_bridge.backends_are_initialized(); "
+            "assert float(jnp.ones(2).sum()) == 2.0; print(os.environ['XLA_FLAGS'])")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()

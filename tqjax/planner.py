@@ -13,7 +13,8 @@ A run's peak resident memory is modelled as
 - kv: `batch · slots · bytes_per_token + constants` of a real (tiny) cache of that format
   (`tqjax.kv.cache.bytes_per_token` / `constant_bytes`), slots rounded up the way the runtime
   allocates them (whole 512-token prefill chunks).
-- runtime: the working set of the runtime, MEASURED (`RUNTIME`): the JAX/Python base with
+- runtime: the working set of the runtime, MEASURED (`RUNTIME`, or `RUNTIME_MLIR_EMITTERS` where
+  XLA runs its MLIR fusion emitters, see `tqjax.xla`): the JAX/Python base with
   compiled executables, plus terms for the logits and the prefill activations, and for bf16
   and GGUF-block weights the f32 copies the compiled steps hold (an upper bound, see
   `RUNTIME`).
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tqjax import fetch
+from tqjax import fetch, xla
 from tqjax.decode.generate import PAD_MULTIPLE, PREFILL_CHUNK, padded_length
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import (
@@ -101,6 +102,14 @@ class Runtime:
 RUNTIME = Runtime(base=425_335_111.0, per_logit=0.0, per_activation=20.19,
                   command="python scripts/plan_check.py --fit", dequantized=1.14,
                   per_calibrated_layer=23.9e6)
+# The same fit with XLA:CPU's MLIR fusion emitters (XLA's own default: a jaxlib tqjax.xla has
+# not been measured on, or --xla_cpu_use_fusion_emitters=true), before the refit.
+RUNTIME_MLIR_EMITTERS = dataclasses.replace(RUNTIME, base=493_281_922.0, per_activation=132.85)
+
+
+def runtime() -> Runtime:
+    """The runtime constants for the XLA emitters this process runs with (`tqjax.xla`)."""
+    return RUNTIME if xla.llvm_emitters() else RUNTIME_MLIR_EMITTERS
 # A preset fits when its predicted peak plus this fraction is within the budget: the fits'
 # largest misfits were 34 MB (5.6% of SmolLM2's smallest run) and, refitted, 13 MB.
 MARGIN = 0.06
@@ -247,14 +256,15 @@ def slots_for(context: int) -> int:
 
 def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = "f32",
                   f32_params: int = 0, calibrated: bool = False) -> int:
-    """The measured working set beyond params and cache (`RUNTIME`), bytes; `f32_params`: the
+    """The measured working set beyond params and cache (`runtime()`), bytes; `f32_params`: the
     weights' bytes in f32 (for bf16 and GGUF blocks); `calibrated`: a turbo cache's
     calibration pass runs."""
     chunk = min(PREFILL_CHUNK, slots_for(context))
-    upcast = RUNTIME.dequantized * f32_params if weights in ("bf16", "gguf") else 0.0
-    calib = RUNTIME.per_calibrated_layer * config.num_layers if calibrated else 0.0
-    return round(RUNTIME.base + RUNTIME.per_logit * batch * config.vocab_size
-                 + RUNTIME.per_activation * batch * chunk * config.hidden_size + upcast + calib)
+    rt = runtime()
+    upcast = rt.dequantized * f32_params if weights in ("bf16", "gguf") else 0.0
+    calib = rt.per_calibrated_layer * config.num_layers if calibrated else 0.0
+    return round(rt.base + rt.per_logit * batch * config.vocab_size
+                 + rt.per_activation * batch * chunk * config.hidden_size + upcast + calib)
 
 
 def predict_peak(params: int, kv: tuple[float, int, int], config: ModelConfig, batch: int,

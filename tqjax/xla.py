@@ -32,13 +32,28 @@ def flags_for(version: str, current: str = "") -> str:
     if found is None or (int(found[1]), int(found[2])) not in TESTED_JAXLIB:
         return current
     # a name already there in any form (--name=..., --name, --noname) is the user's choice
-    missing = [f"--{k}={v}" for k, v in FLAGS.items() if k not in current]
+    missing = [f"--{k}={v}" for k, v in FLAGS.items()
+               if not re.search(rf"--(no)?{k}(=|\s|$)", current)]
     return " ".join([current, *missing]).strip()
 
 
 def set_flags() -> None:
     """Add tqjax's flags to the XLA_FLAGS environment variable (see the module docstring)."""
-    os.environ["XLA_FLAGS"] = flags_for(jaxlib.__version__, os.environ.get("XLA_FLAGS", ""))
+    current = os.environ.get("XLA_FLAGS", "")
+    flags = flags_for(jaxlib.__version__, current)
+    if flags != current:
+        os.environ["XLA_FLAGS"] = flags
+
+
+def llvm_emitters() -> bool:
+    """Whether XLA_FLAGS selects XLA:CPU's LLVM fusion emitters (tqjax's default, above): the
+    memory planner's constants were measured with them."""
+    found = re.findall(r"--(no)?xla_cpu_use_fusion_emitters(?:=(\w+))?",
+                       os.environ.get("XLA_FLAGS", ""))
+    if not found:
+        return False
+    no, value = found[-1]
+    return (value.lower() in ("false", "0")) != bool(no) if value else bool(no)
 
 
 set_flags()

@@ -191,19 +191,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, StoredTensor]]:
     The strings are made again once the reader has been freed."""
     reader = open_gguf(path)
     meta, tensors = gguf_metadata(reader), gguf_tensors(path, reader)
-    text = json.dumps(meta, default=_plain)
+    text = json.dumps(meta)  # contents() gives str, int, float, bool and lists of them
     del reader, meta
     gc.collect()
     return json.loads(text), tensors
-
-
-def _plain(x: Any) -> Any:
-    """A numpy value or bytes in GGUF metadata as a JSON-able Python value."""
-    if isinstance(x, bytes):
-        return x.decode("utf-8", "replace")
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    raise TypeError(f"GGUF metadata value of type {type(x).__name__}")
 
 
 def gguf_tensors(path: Path, reader: Any) -> dict[str, StoredTensor]:
@@ -362,10 +353,10 @@ def load_checkpoint(path: Path, dtype: str = "float32", progress: bool = False,
         tensors = safetensors_tensors(safetensors_files(path))
     elif is_gguf:
         meta, tensors = read_gguf(path)
-        if on_metadata is not None:
-            on_metadata(meta)
         config = config_from_gguf(meta, has_output_weight="lm_head.weight" in tensors)
         perms = rope_permutations(config)
+        if on_metadata is not None:  # after the config: an unsupported model says so first
+            on_metadata(meta)
     else:
         raise TqjaxError(f"{path} is neither an HF model directory nor a .gguf file")
     label = f"loading {path.name}" if progress else None
