@@ -30,7 +30,8 @@ def test_llvm_emitters_reads_the_flag(monkeypatch) -> None:
     for flags, want in ((OURS, True), ("", False), ("--xla_cpu_use_fusion_emitters=true", False),
                         ("--xla_cpu_use_fusion_emitters", False),
                         ("--noxla_cpu_use_fusion_emitters", True),
-                        (f"{OURS} --xla_cpu_use_fusion_emitters=1", False)):
+                        (f"{OURS} --xla_cpu_use_fusion_emitters=1", False),
+                        ("--noxla_cpu_use_fusion_emitters_other", False)):
         monkeypatch.setenv("XLA_FLAGS", flags)
         assert llvm_emitters() is want, flags
 

@@ -25,15 +25,24 @@ TESTED_JAXLIB = ((0, 10),)  # (major, minor) versions the flags below were measu
 FLAGS = {"xla_cpu_use_fusion_emitters": "false"}
 
 
+def flag_value(name: str, flags: str) -> bool | None:
+    """The boolean XLA flag `name` as the last mention in `flags` sets it (absl forms:
+    --name=true|false|1|0, --name, --noname), or None where `flags` does not mention it."""
+    found = re.findall(rf"--(no)?{name}(?:=(\w+))?(?=\s|$)", flags)
+    if not found:
+        return None
+    no, value = found[-1]
+    return (value.lower() not in ("false", "0")) if value else not no
+
+
 def flags_for(version: str, current: str = "") -> str:
-    """XLA_FLAGS with tqjax's flags added to `current`: only those it does not set already, and
-    nothing under a jaxlib `version` that has not been tested."""
+    """XLA_FLAGS with tqjax's flags added to `current`: only those it does not set already (in
+    any form: that is the user's choice), and nothing under a jaxlib `version` that has not
+    been tested."""
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None or (int(found[1]), int(found[2])) not in TESTED_JAXLIB:
         return current
-    # a name already there in any form (--name=..., --name, --noname) is the user's choice
-    missing = [f"--{k}={v}" for k, v in FLAGS.items()
-               if not re.search(rf"--(no)?{k}(=|\s|$)", current)]
+    missing = [f"--{k}={v}" for k, v in FLAGS.items() if flag_value(k, current) is None]
     return " ".join([current, *missing]).strip()
 
 
@@ -48,12 +57,7 @@ def set_flags() -> None:
 def llvm_emitters() -> bool:
     """Whether XLA_FLAGS selects XLA:CPU's LLVM fusion emitters (tqjax's default, above): the
     memory planner's constants were measured with them."""
-    found = re.findall(r"--(no)?xla_cpu_use_fusion_emitters(?:=(\w+))?",
-                       os.environ.get("XLA_FLAGS", ""))
-    if not found:
-        return False
-    no, value = found[-1]
-    return (value.lower() in ("false", "0")) != bool(no) if value else bool(no)
+    return flag_value("xla_cpu_use_fusion_emitters", os.environ.get("XLA_FLAGS", "")) is False
 
 
 set_flags()
