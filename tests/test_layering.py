@@ -10,9 +10,10 @@ from pathlib import Path
 import tqjax
 
 ROOT = Path(tqjax.__file__).parent
-RANK = {"errors": 0, "dtypes": 0, "xla": 0, "atomic": 0, "data": 0, "fetch": 0, "quant": 1,
-        "pallas": 1, "kv": 2, "models": 3, "decode": 4, "sharding": 4, "api": 5, "eval": 5,
-        "cli": 5, "planner": 5, "__init__": 5, "research": 6, "serve": 6, "commands": 7}
+RANK = {"errors": 0, "dtypes": 0, "xla": 0, "atomic": 0, "host": 0, "data": 0, "fetch": 0,
+        "quant": 1, "pallas": 1, "kv": 2, "models": 3, "decode": 4, "sharding": 4, "api": 5,
+        "eval": 5, "cli": 5, "planner": 5, "__init__": 5, "research": 6, "serve": 6,
+        "commands": 7}
 RANK["sharding"] = 3  # tqjax/sharding.py: over kv and models, under decode and api
 
 

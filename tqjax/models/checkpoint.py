@@ -38,6 +38,7 @@ from tqjax.atomic import replace_dir
 from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
+from tqjax.host import host_buffer
 from tqjax.models.config import GGUF_ARCHITECTURES, ModelConfig, RopeScaling
 from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LayerParams, Params
@@ -82,20 +83,6 @@ def source_info(path: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- reading one tensor at a time
-
-HOST_ALIGN = 64  # bytes: the CPU runtime adopts a host buffer this aligned without a copy
-
-
-def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous host array, its data `HOST_ALIGN`-aligned, so that
-    `jax.device_put` of it on CPU aliases it (no copy: measured, jax 0.10) instead of copying
-    (numpy's own large allocations are 16-byte aligned)."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
-    start = -raw.ctypes.data % HOST_ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
 
 def read_file_bytes(path: Path, offset: int, size: int) -> np.ndarray:
     """`size` bytes of a file from `offset`, uint8 [size] in a `host_buffer` (read, not mapped:

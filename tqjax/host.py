@@ -1,0 +1,22 @@
+"""Host buffers the CPU runtime adopts without a copy (`host_buffer`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+HOST_ALIGN = 64  # bytes: the CPU runtime adopts a host buffer this aligned without a copy
+
+
+def host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous host array, its data `HOST_ALIGN`-aligned, so that
+    `jax.device_put` of it on CPU aliases it (no copy: measured, jax 0.10) instead of copying
+    (numpy's own large allocations are 16-byte aligned). Fill it, then `device_put` it: the
+    device array is then the only copy."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
