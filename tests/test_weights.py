@@ -845,3 +845,31 @@ def test_quantizing_in_column_chunks_changes_nothing(fmt, gptq, monkeypatch):
         assert (a is None) == (b is None)
         if a is not None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("sym", 8, 0, 64), WeightFormat("sym", 8, 0)],
+                         ids=lambda f: f.name)
+def test_gptq_batches_rows_as_one_row_loop_would(fmt, monkeypatch):
+    """GPTQ's lazy batches (`weights.GPTQ_BLOCK` rows) inside a per-channel group of 384 rows
+    give the codes of pushing each row's error on every later row at once (one batch = the
+    group): the same algorithm, only the order of the float sums differs."""
+    from tqjax.quant import weights
+    from tqjax.quant.packing import unpack_bits
+
+    rng = np.random.default_rng(2)
+    k, n = 384, 24
+    mix = rng.standard_normal((k, k)) / np.sqrt(k) + np.eye(k)
+    x = (rng.standard_normal((2048, k)) * np.linspace(0.2, 3, k)) @ mix
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    factor = hessian_factor(jnp.asarray(x.T @ x, jnp.float32), fmt)
+    assert weights._row_block(factor.group) == 128 and factor.group == k
+    batched = quantize_linear(w, fmt, hessian=factor)
+    monkeypatch.setattr(weights, "GPTQ_BLOCK", k)
+    jax.clear_caches()
+    whole = quantize_linear(w, fmt, hessian=factor)
+    np.testing.assert_array_equal(batched.scale, whole.scale)  # fitted before any row
+    codes = [np.asarray(unpack_bits(q.packed, 8, k)) for q in (batched, whole)]
+    assert np.mean(codes[0] == codes[1]) > 0.995
+    err = [float(np.sum((x @ (np.asarray(effective_weight(q)) - np.asarray(w))) ** 2))
+           for q in (batched, whole)]
+    np.testing.assert_allclose(err[0], err[1], rtol=2e-3)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ import numpy as np
 from flax import struct
 
 from tqjax.errors import TqjaxError
+from tqjax.host import host_buffer
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
@@ -489,53 +491,91 @@ def _factor(hessian: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.
 
 
 def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
-                   damp: float = 0.01) -> HessianFactor:
+                   damp: float = 0.01, consume: bool = False) -> HessianFactor:
     """Prepare H = Σ x xᵀ f32 [K, K] (a layer's calibration inputs) for GPTQ on `fmt`: moved to
     the stored basis (padded, rotated per group for "tq"), put in act-order, dampened by
     `damp`·mean(diag H) and factored. Reusable for every weight with the same input and basis
-    (q/k/v, gate/up)."""
+    (q/k/v, gate/up). `consume`: H's buffer is reused for the factor (H is deleted, unless
+    the basis pads K; for a Gram needed in one basis only): one [K, K] buffer less at the
+    peak."""
     k = hessian.shape[0]
     if hessian.shape != (k, k):
         raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
+    # (a padded basis cannot take H's buffer: H is then left as it is)
+    consume = consume and fmt.padded_in(k) == k
+    prepare = _prepare_hessian_consuming if consume else _prepare_hessian
+    order, upper, importance, dead = prepare(hessian, fmt, seed, damp)
+    return HessianFactor(order, upper, importance, dead, fmt.group_size(k), fmt.rotation_block)
+
+
+def _prepare(hessian: jax.Array, fmt: WeightFormat, seed: int, damp: float
+             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`hessian_factor`'s arrays, in one computation: XLA reuses the [K, K] buffers of the
+    steps (eagerly, each step held its own: Qwen2.5-0.5B's down projection, K = 4864, 90 MiB
+    each, peaked 410 MB over its input; jitted, 2 buffers beside the input and the factor)."""
     hr = to_stored_basis(to_stored_basis(hessian, fmt, seed).T, fmt, seed)
-    group = fmt.group_size(k)
-    order = _act_order(jnp.diag(hr), group)
+    order = _act_order(jnp.diag(hr), fmt.group_size(hessian.shape[0]))
     upper, importance, dead = _factor(hr[order][:, order], damp)
-    return HessianFactor(order, upper, importance, dead, group, fmt.rotation_block)
+    return order, upper, importance, dead
+
+
+_prepare_hessian = jax.jit(_prepare, static_argnames=("fmt", "seed"))
+_prepare_hessian_consuming = jax.jit(_prepare, static_argnames=("fmt", "seed"),
+                                     donate_argnums=(0,))
+
+
+GPTQ_BLOCK = 128  # rows whose errors are pushed on row by row (GPTQ's lazy batch)
+
+
+def _row_block(group: int) -> int:
+    """Rows per GPTQ batch: the largest divisor of `group` up to GPTQ_BLOCK."""
+    return max(d for d in range(1, min(group, GPTQ_BLOCK) + 1) if group % d == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
 def _gptq(w: jax.Array, factor: HessianFactor,
           fmt: WeightFormat) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """GPTQ: w f32 [K, N] in the stored basis -> codes [K, N], scale, offset (per group)."""
+    """GPTQ: w f32 [K, N] in the stored basis -> codes [K, N], scale, offset (per group).
+
+    A group's scale is fitted when the group is reached; its rows are then quantized in
+    batches of `_row_block` rows: each row's error goes onto the batch's later rows at once,
+    and a batch's errors onto every later row in one product (GPTQ's lazy batch updates; a
+    per-channel group, K rows, no longer costs K x K x N in its row loop)."""
     lut, kind = format_lut(fmt), fmt.kind  # a constant of the trace
     k, n = w.shape
     group, u = factor.group, factor.upper
+    block = _row_block(group)
     w = jnp.where(factor.dead[:, None], 0.0, w[factor.order])
-    rows = jnp.arange(group)
+    rows = jnp.arange(block)
 
-    def block(w: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple]:
-        start = b * group
-        wb = jax.lax.dynamic_slice(w, (start, 0), (group, n))
-        ub = jax.lax.dynamic_slice(u, (start, 0), (group, k))
-        uu = jax.lax.dynamic_slice(ub, (0, start), (group, group))
-        hb = jax.lax.dynamic_slice(factor.importance, (start,), (group,))
-        scale, offset = _fit_groups(wb, hb[:, None], lut, kind)
+    def one_group(w: jax.Array, g: jax.Array) -> tuple[jax.Array, tuple]:
+        start = g * group
+        hg = jax.lax.dynamic_slice(factor.importance, (start,), (group,))
+        scale, offset = _fit_groups(jax.lax.dynamic_slice(w, (start, 0), (group, n)),
+                                    hg[:, None], lut, kind)
 
-        def row(i: jax.Array, state: tuple) -> tuple:
-            wb, err, codes = state
-            c = _codes(wb[i], scale, offset, lut)
-            e = (wb[i] - _values(c, scale, offset, lut)) / uu[i, i]
-            wb = wb - jnp.where((rows > i)[:, None], uu[i][:, None] * e[None, :], 0.0)
-            return wb, err.at[i].set(e), codes.at[i].set(c)
+        def batch(w: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:
+            first = start + j * block
+            wb = jax.lax.dynamic_slice(w, (first, 0), (block, n))
+            ub = jax.lax.dynamic_slice(u, (first, 0), (block, k))
+            uu = jax.lax.dynamic_slice(ub, (0, first), (block, block))
 
-        init = (wb, jnp.zeros((group, n)), jnp.zeros((group, n), jnp.uint8))
-        _, err, codes = jax.lax.fori_loop(0, group, row, init)
-        later = jnp.arange(k) >= start + group
-        w = w - jnp.where(later[None, :], ub, 0.0).T @ err
-        return w, (codes, scale, offset)
+            def row(i: jax.Array, state: tuple) -> tuple:
+                wb, err, codes = state
+                c = _codes(wb[i], scale, offset, lut)
+                e = (wb[i] - _values(c, scale, offset, lut)) / uu[i, i]
+                wb = wb - jnp.where((rows > i)[:, None], uu[i][:, None] * e[None, :], 0.0)
+                return wb, err.at[i].set(e), codes.at[i].set(c)
 
-    _, (codes, scale, offset) = jax.lax.scan(block, w, jnp.arange(k // group))
+            init = (wb, jnp.zeros((block, n)), jnp.zeros((block, n), jnp.uint8))
+            _, err, codes = jax.lax.fori_loop(0, block, row, init)
+            later = jnp.arange(k) >= first + block
+            return w - jnp.where(later[None, :], ub, 0.0).T @ err, codes
+
+        w, codes = jax.lax.scan(batch, w, jnp.arange(group // block))
+        return w, (codes.reshape(group, n), scale, offset)
+
+    _, (codes, scale, offset) = jax.lax.scan(one_group, w, jnp.arange(k // group))
     back = jnp.argsort(factor.order)  # quantization order -> stored order
     groups = jnp.argsort(factor.order[::group])
     return (codes.reshape(k, n)[back], scale[groups],
@@ -559,38 +599,71 @@ def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array
 QUANTIZE_COLUMNS = 8192
 
 
-def quantize_linear(w: jax.Array, fmt: WeightFormat, seed: int = 0,
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """A dense [in, out] weight read a block of output columns at a time, for a tensor that
+    should never be whole in f32 beside the params (a checkpoint's embedding or head).
+
+    shape: (in, out). read(a, b): columns [a, b) as f32 [in, b - a].
+    """
+
+    shape: tuple[int, int]
+    read: Callable[[int, int], np.ndarray]
+
+
+def quantize_linear(w: jax.Array | Columns, fmt: WeightFormat, seed: int = 0,
                     hessian: HessianFactor | None = None) -> QuantizedLinear:
-    """Quantize a dense weight w [K, N] ([in, out]) to `fmt`.
+    """Quantize a dense weight w [K, N] ([in, out]), an array or `Columns`, to `fmt`.
 
     Without `hessian`: round to nearest with the format's scale rule ("tq": MSE-searched scale).
     With a `hessian_factor` of this layer's inputs (same format basis): GPTQ, "tq" scales
     weighted by the Hessian diagonal. `seed` picks the shared rotation (rotated formats).
+    Output columns are quantized independently, `QUANTIZE_COLUMNS` at a time, each block's
+    packed codes and scales written into the final host buffers: the only full-size arrays
+    are the result's.
     """
-    if w.ndim != 2:
+    if len(w.shape) != 2:
         raise TqjaxError(f"quantize_linear needs a 2-D [in, out] weight, got shape {w.shape}")
     k, n = w.shape
     g = fmt.group_size(k)
     if fmt.padded_in(k) * fmt.bits % 8:
         raise TqjaxError(f"{fmt.name}: {k} input rows of {fmt.bits} bits do not fill bytes")
-    lut = format_lut(fmt)
-    wr = to_stored_basis(w, fmt, seed)
+    kp = fmt.padded_in(k)
     if hessian is not None and (hessian.upper.shape[0], hessian.group, hessian.rotation) != (
-            wr.shape[0], g, fmt.rotation_block):
+            kp, g, fmt.rotation_block):
         raise TqjaxError(f"the Hessian factor was prepared for another basis than {fmt.name} "
                          f"with {k} inputs")
-    parts = []  # output columns are quantized independently: in chunks (see QUANTIZE_COLUMNS)
-    for start in range(0, n, QUANTIZE_COLUMNS):
-        wc = wr[:, start:start + QUANTIZE_COLUMNS]
-        parts.append(_round_to_nearest(wc, jnp.ones(wr.shape[0]), fmt, g) if hessian is None
-                     else _gptq(wc, hessian, fmt))
-    codes, scale = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
-    offset = None if parts[0][2] is None else jnp.concatenate([p[2] for p in parts], axis=1)
+    lut = format_lut(fmt)
+    traced = isinstance(w, jax.core.Tracer)  # (inside a jit: the blocks are concatenated)
+    parts: list[tuple[jax.Array, ...]] = []
+    out = (host_buffer((n, kp * fmt.bits // 8), np.uint8), host_buffer((n, kp // g), np.float16),
+           host_buffer((n, kp // g), np.float16) if fmt.kind == "affine" else None)
+    ones = jnp.ones(kp)
+    for a in range(0, n, QUANTIZE_COLUMNS):
+        b = min(n, a + QUANTIZE_COLUMNS)
+        block = w.read(a, b) if isinstance(w, Columns) else w[:, a:b]
+        wc = to_stored_basis(jnp.asarray(block), fmt, seed)  # [K_pad, b - a]
+        codes, s, o = (_round_to_nearest(wc, ones, fmt, g) if hessian is None
+                       else _gptq(wc, hessian, fmt))
+        part = (pack_bits(codes.T, fmt.bits), s.T.astype(SCALE_DTYPE),
+                None if o is None else o.T.astype(SCALE_DTYPE))
+        if traced:
+            parts.append(part)
+            continue
+        for buf, x in zip(out, part, strict=True):
+            if buf is not None:
+                buf[a:b] = np.asarray(x)
+        del block, wc, codes, s, o, part
+    if traced:
+        packed, scale, offset = (None if parts[0][i] is None else
+                                 jnp.concatenate([p[i] for p in parts]) for i in range(3))
+    else:
+        packed, scale, offset = (None if x is None else jax.device_put(x) for x in out)
     return QuantizedLinear(
-        packed=pack_bits(codes.T, fmt.bits),
-        scale=scale.T.astype(SCALE_DTYPE),
+        packed=packed,
+        scale=scale,
         lut=lut,
-        offset=None if offset is None else offset.T.astype(SCALE_DTYPE),
+        offset=offset,
         rotation=format_rotation(fmt.rotation_block, seed) if fmt.rotation_block else None,
         bits=fmt.bits,
         group=g,
