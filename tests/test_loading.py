@@ -2,6 +2,7 @@
 GGUF blocks kept as the file has them (`weights="gguf"`), clean errors."""
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -266,3 +267,66 @@ def test_quantized_checkpoint_stream_equals_eager(tmp_path, dtype):
             want = jnp.asarray(stored[name]).astype(DTYPES[dtype])
             assert value.dtype == want.dtype
             np.testing.assert_array_equal(np.asarray(value), np.asarray(want))
+
+
+# ---------------------------------------------------------------- quantized as read
+
+
+STREAM_SPECS = [("tq4", True, True), ("int4-affine", False, False), ("int8", True, False)]
+
+
+@pytest.mark.parametrize("method,emb,calibrated", STREAM_SPECS)
+@pytest.mark.parametrize("source", ["llama_tied", "qwen2", "gguf:llama", "gguf:qwen2"])
+def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, emb, calibrated,
+                                                              tmp_path, monkeypatch):
+    """`quantize_params` over an opened checkpoint (one layer read at a time, the embedding
+    and head by blocks of columns) gives the same bytes as over the whole loaded model; the
+    column blocks are made small so that the embedding and head span several, one ragged."""
+    from tqjax.models.quantize import WeightSpec, quantize_params
+    from tqjax.quant import weights
+
+    monkeypatch.setattr(weights, "QUANTIZE_COLUMNS", 48)
+    path = GOLDEN / "tiny" / source
+    if source.startswith("gguf:"):
+        path = tmp_path / "model.gguf"
+        write_gguf(source.removeprefix("gguf:"), path)
+    config, dense, _ = load_checkpoint(path)
+    spec = WeightSpec(method, quantize_embeddings=emb)
+    cal = (np.random.default_rng(1).integers(0, config.vocab_size, (2, 24)).astype(np.int32)
+           if calibrated else None)
+    want = quantize_params(dense, config, spec, cal)
+    got = quantize_params(loading.open_checkpoint(path), config, spec, cal)
+    flat = [jax.tree_util.tree_flatten_with_path(p) for p in (got, want)]
+    assert flat[0][1] == flat[1][1]  # the same tree: formats, static fields
+    assert len(flat[0][0]) == len(flat[1][0])
+    for (key, a), (_, b) in zip(flat[0][0], flat[1][0], strict=True):
+        assert a.dtype == b.dtype, key
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(key))
+    if emb:
+        assert got.embed.out_features == config.vocab_size > 48
+
+
+def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, monkeypatch):
+    """Reading and quantizing interleave layer by layer: no tensor of layer i + 1 is read
+    before every linear of layer i is quantized, and each linear is read once."""
+    from tqjax.models import quantize as mq
+
+    events: list[str] = []
+    path = tiny_gguf[0]
+    ckpt = loading.open_checkpoint(path)
+    for name, t in list(ckpt.tensors.items()):
+        read = t.read
+        ckpt.tensors[name] = loading.StoredTensor(
+            t.shape, lambda rows, name=name, read=read: events.append("read " + name) or read(rows),
+            t.ggml_type, t.raw)
+    real = mq.quantize_linear
+    monkeypatch.setattr(mq, "quantize_linear",
+                        lambda w, *a, **k: events.append("quantize") or real(w, *a, **k))
+    cal = np.arange(24, dtype=np.int32)[None] % ckpt.config.vocab_size
+    mq.quantize_params(ckpt, ckpt.config, mq.WeightSpec("tq4"), cal)
+    layer_reads = [e for e in events if e.startswith("read model.layers.")]
+    linears = [e for e in layer_reads if e.endswith("proj.weight")]
+    assert len(linears) == len(set(linears)) == 7 * ckpt.config.num_layers
+    for i in range(1, ckpt.config.num_layers):
+        first = next(k for k, e in enumerate(events) if e.startswith(f"read model.layers.{i}."))
+        assert events[:first].count("quantize") == 7 * i

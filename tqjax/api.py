@@ -35,7 +35,7 @@ from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
 from tqjax.models.calibration import calibration_corpus, calibration_windows
 from tqjax.models.config import ModelConfig
-from tqjax.models.loading import GGUF_WEIGHTS, load_checkpoint
+from tqjax.models.loading import GGUF_WEIGHTS, Checkpoint, load_checkpoint, open_checkpoint
 from tqjax.models.quantize import WeightSpec, quantize_params
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from tqjax.models.transformer import Params
@@ -89,6 +89,24 @@ def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
     return path
 
 
+def _hf_tokenizer(path: Path, config: ModelConfig) -> Tokenizer | None:
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
+    return None
+
+
+def open_model(path_or_name: str | Path, dtype: str = "float32", progress: bool = False
+               ) -> tuple[Checkpoint, Tokenizer | None]:
+    """An HF directory or .gguf file opened, not read (`loading.Checkpoint`: its config, and
+    its tensors read on demand), and its tokenizer (None for a weights-only directory): what
+    `quantize_params` reads a layer at a time, as `load(weights=...)` does."""
+    path = resolve_path(path_or_name, progress)
+    gguf_tokenizer: list[Tokenizer] = []
+    source = open_checkpoint(path, dtype, on_metadata=lambda meta: gguf_tokenizer.append(
+        tokenizer_from_gguf(meta)))
+    return source, gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, source.config)
+
+
 ON_THE_FLY_CALIBRATION = (4, 512)  # windows x tokens of calibration text for `weights=`
 
 
@@ -120,27 +138,24 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     if orbax and weights is not None:
         raise TqjaxError(f"{path} is an orbax checkpoint of finished weights; load it without "
                          f"a weights method")
-    gguf_tokenizer: list[Tokenizer] = []  # built from the metadata before the tensors are read
     if orbax:
-        config, params, meta = restore_sharded(path, mesh, dtype)
-    else:
-        config, params, meta = load_checkpoint(
-            path, dtype, progress, blocks,
-            on_metadata=lambda meta: gguf_tokenizer.append(tokenizer_from_gguf(meta)))
-    if gguf_tokenizer:
-        tokenizer = gguf_tokenizer[0]
-    elif any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
-    else:
-        tokenizer = None
-    if weights is not None and not blocks:
-        spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
-        windows = None
+        config, params, _ = restore_sharded(path, mesh, dtype)
+        tokenizer = _hf_tokenizer(path, config)
+    elif weights is not None and not blocks:  # read as it is quantized, never whole
+        source, tokenizer = open_model(path, dtype)
+        config, windows = source.config, None
         if tokenizer is not None:
             count, length = ON_THE_FLY_CALIBRATION
             windows = calibration_windows(tokenizer, calibration_corpus(), count,
                                           min(length, config.max_position))
-        params = quantize_params(params, config, spec, windows, progress=progress)
+        spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
+        params = quantize_params(source, config, spec, windows, progress=progress)
+    else:
+        gguf_tokenizer: list[Tokenizer] = []  # built before the tensors are read
+        config, params, _ = load_checkpoint(
+            path, dtype, progress, blocks,
+            on_metadata=lambda meta: gguf_tokenizer.append(tokenizer_from_gguf(meta)))
+        tokenizer = gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, config)
     if mesh is not None and not orbax:
         params = shard_params(params, config, mesh)
     return Model(config, params, tokenizer, str(path), dtype)

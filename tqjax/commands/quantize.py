@@ -62,6 +62,7 @@ def run(argv: list[str] | None = None) -> int:
     import dataclasses
 
     import tqjax
+    from tqjax.api import open_model
     from tqjax.models.calibration import calibration_source, calibration_windows, text_sha256
     from tqjax.models.checkpoint import save_quantized
     from tqjax.models.quantize import WeightSpec, quantize_params
@@ -72,33 +73,33 @@ def run(argv: list[str] | None = None) -> int:
     if args.calibration_windows < 1 or args.calibration_length < 2:
         raise tqjax.TqjaxError("--calibration-windows must be >= 1 and --calibration-length >= 2")
     t0 = time.perf_counter()
-    model = tqjax.load(args.model, progress=not args.json)
-    load_s = time.perf_counter() - t0
+    source, tokenizer = open_model(args.model, progress=not args.json)  # read as quantized
+    config = source.config
     text = calibration_source(args.calibration)
     windows = None
     if text is not None:
-        if model.tokenizer is None:
-            raise tqjax.TqjaxError(f"{model.source} has no tokenizer; use --calibration none")
-        length = min(args.calibration_length, model.config.max_position)
-        windows = calibration_windows(model.tokenizer, text, args.calibration_windows, length)
+        if tokenizer is None:
+            raise tqjax.TqjaxError(f"{source.path} has no tokenizer; use --calibration none")
+        length = min(args.calibration_length, config.max_position)
+        windows = calibration_windows(tokenizer, text, args.calibration_windows, length)
     t1 = time.perf_counter()
-    params = quantize_params(model.params, model.config, spec, windows, progress=not args.json)
+    params = quantize_params(source, config, spec, windows, progress=not args.json)
     quantize_s = time.perf_counter() - t1
-    meta = save_quantized(args.out, params, model.config, method=dataclasses.asdict(spec) | {
+    meta = save_quantized(args.out, params, config, method=dataclasses.asdict(spec) | {
         "calibration": args.calibration,
         "calibration_sha256": None if text is None else text_sha256(text),
         "calibration_tokens": 0 if windows is None else int(windows.size)},
-        tokenizer=model.tokenizer, source=Path(model.source), dense_dtype=args.dense_dtype)
+        tokenizer=tokenizer, source=source.path, dense_dtype=args.dense_dtype)
     bits = params_bits(params)
     result = {
-        "out": str(args.out), "model": model.source, "weights": args.weights,
+        "out": str(args.out), "model": str(source.path), "weights": args.weights,
         "bpw": round(bits["quantized_bpw"], 6), "bpw_overall_disk": round(
             meta["disk"]["weights_bpw"], 6),
         "bytes": sum(f.stat().st_size for f in args.out.iterdir()),
         "params": bits["params"], "quantized_params": bits["quantized_params"],
         "calibration_tokens": 0 if windows is None else int(windows.size),
-        "seconds": round(time.perf_counter() - t0, 2), "load_seconds": round(load_s, 2),
-        "quantize_seconds": round(quantize_s, 2),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "quantize_seconds": round(quantize_s, 2),  # the reading included
     }
     if args.json:
         print_json(result)

@@ -28,10 +28,12 @@ from tqdm import tqdm
 
 from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
+from tqjax.host import host_buffer
 from tqjax.models import checkpoint
-from tqjax.models.checkpoint import SafetensorsFile, host_buffer, read_file_bytes
+from tqjax.models.checkpoint import SafetensorsFile, read_file_bytes
 from tqjax.models.config import ModelConfig, config_from_gguf, config_from_hf, rope_inv_freq
 from tqjax.models.transformer import LayerParams, Params
+from tqjax.quant.weights import Columns
 
 GGUF_WEIGHTS = "gguf"  # the weights mode that keeps a GGUF file's quantized blocks
 
@@ -266,78 +268,112 @@ def param_names(config: ModelConfig) -> dict[str, str]:
     return names
 
 
-def build_params(tensors: dict[str, StoredTensor], config: ModelConfig, dtype: jnp.dtype,
-                 blocks: bool = False, perms: dict[str, np.ndarray] | None = None,
-                 progress: str | None = None) -> Params:
-    """Read, convert and place every tensor `Params` needs, one at a time and largest first
-    (a large tensor's transient copies then come while little else is resident).
+@dataclasses.dataclass
+class Checkpoint:
+    """An opened HF directory or GGUF file: config, metadata and tensor index. Nothing is read
+    until asked: `params` reads everything, `leaf` and `layer` one tensor or one decoder
+    layer, `columns` a matrix as [in, out] column blocks (a streaming quantizer's input).
 
     Linears are transposed to [in, out] and cast to `dtype` with the norms, biases and
     embedding; `perms` reorders rows first (GGUF llama Q/K). With `blocks`, every 2-D tensor
     whose ggml type `tqjax.quant.ggml` supports (linears, embedding, head) is kept as a
-    `GGMLLinear` of its file bytes instead. `progress`: a progress-bar label, or None.
+    `GGMLLinear` of its file bytes instead.
     """
-    perms = perms or {}
-    names = param_names(config)
-    missing = [n for n in names if n not in tensors]
-    if missing:
-        raise TqjaxError(f"checkpoint is missing tensor {missing[0]}")
-    if blocks:
-        from tqjax.quant import ggml
-    placed: dict[str, Any] = {}
-    order = sorted(names, key=lambda n: -math.prod(tensors[n].shape))
-    for name in tqdm(order, desc=progress, unit="tensor",
-                     disable=True if progress is None else None, leave=False):
-        t = tensors[name]
-        if blocks and t.ggml_type in ggml.SUPPORTED_TYPES and len(t.shape) == 2:
-            w = ggml.from_gguf(t.raw(), t.ggml_type, t.shape)
-            placed[name] = w if name not in perms else ggml.permute_rows(w, perms[name])
-        else:
-            placed[name] = place(t, dtype, names[name] == "linear", perms.get(name))
 
-    layers = []
-    for i in range(config.num_layers):
+    config: ModelConfig
+    tensors: dict[str, StoredTensor]
+    dtype: jnp.dtype
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    blocks: bool = False
+    perms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    path: Path | None = None  # the file or directory it was opened from
+
+    def __post_init__(self) -> None:
+        self.names = param_names(self.config)
+        missing = [n for n in self.names if n not in self.tensors]
+        if missing:
+            raise TqjaxError(f"checkpoint is missing tensor {missing[0]}")
+
+    def leaf(self, name: str) -> Any:
+        """The tensor `name` (an HF name among `param_names`) read, converted and placed."""
+        t = self.tensors[name]
+        if self.blocks:
+            from tqjax.quant import ggml
+
+            if t.ggml_type in ggml.SUPPORTED_TYPES and len(t.shape) == 2:
+                w = ggml.from_gguf(t.raw(), t.ggml_type, t.shape)
+                return w if name not in self.perms else ggml.permute_rows(w, self.perms[name])
+        return place(t, self.dtype, self.names[name] == "linear", self.perms.get(name))
+
+    def columns(self, name: str) -> Columns:
+        """A 2-D tensor stored [rows, D] (the embedding [V, D], a head [V, D]) as the
+        [D, rows] matrix whose columns are its rows, read a block of columns at a time, f32."""
+        t = self.tensors[name]
+        if len(t.shape) != 2 or name in self.perms:
+            raise TqjaxError(f"{name} cannot be read by columns")
+        return Columns((t.shape[1], t.shape[0]), lambda a, b: t.read(slice(a, b)).T)
+
+    def layer(self, i: int, placed: dict[str, Any] | None = None) -> LayerParams:
+        """Decoder layer i, its tensors taken from `placed` (HF name -> leaf) or read now."""
         p = f"model.layers.{i}."
-        extra = {}
-        if config.qkv_bias:
-            extra |= {f"b{c}": placed[p + f"self_attn.{c}_proj.bias"] for c in "qkv"}
-        if config.qk_norm:
-            extra |= {f"{c}_norm": placed[p + f"self_attn.{c}_norm.weight"] for c in "qk"}
-        layers.append(LayerParams(
-            attn_norm=placed[p + "input_layernorm.weight"],
-            wq=placed[p + "self_attn.q_proj.weight"],
-            wk=placed[p + "self_attn.k_proj.weight"],
-            wv=placed[p + "self_attn.v_proj.weight"],
-            wo=placed[p + "self_attn.o_proj.weight"],
-            mlp_norm=placed[p + "post_attention_layernorm.weight"],
-            w_gate=placed[p + "mlp.gate_proj.weight"],
-            w_up=placed[p + "mlp.up_proj.weight"],
-            w_down=placed[p + "mlp.down_proj.weight"],
+
+        def get(name: str) -> Any:
+            return placed[p + name] if placed is not None else self.leaf(p + name)
+
+        cfg, extra = self.config, {}
+        if cfg.qkv_bias:
+            extra |= {f"b{c}": get(f"self_attn.{c}_proj.bias") for c in "qkv"}
+        if cfg.qk_norm:
+            extra |= {f"{c}_norm": get(f"self_attn.{c}_norm.weight") for c in "qk"}
+        return LayerParams(
+            attn_norm=get("input_layernorm.weight"),
+            wq=get("self_attn.q_proj.weight"),
+            wk=get("self_attn.k_proj.weight"),
+            wv=get("self_attn.v_proj.weight"),
+            wo=get("self_attn.o_proj.weight"),
+            mlp_norm=get("post_attention_layernorm.weight"),
+            w_gate=get("mlp.gate_proj.weight"),
+            w_up=get("mlp.up_proj.weight"),
+            w_down=get("mlp.down_proj.weight"),
             **extra,
-        ))
-    inv_freq = rope_inv_freq(config)
-    if "rope_freqs" in tensors:  # GGUF llama3 scaling: per-frequency divisors stored as a tensor
-        freqs = tensors["rope_freqs"]
-        inv_freq = (inv_freq / freqs.read(slice(0, freqs.shape[0])).reshape(-1)).astype(np.float32)
-    return Params(
-        embed=placed["model.embed_tokens.weight"],
-        layers=layers,
-        final_norm=placed["model.norm.weight"],
-        lm_head=placed.get("lm_head.weight"),
-        rope_inv_freq=jnp.asarray(inv_freq),
-    )
+        )
+
+    def rope_inv_freq(self) -> jax.Array:
+        """RoPE inverse frequencies f32 [hd/2] (GGUF llama3 scaling: divided by the per-frequency
+        factors stored as a tensor)."""
+        inv_freq = rope_inv_freq(self.config)
+        if "rope_freqs" in self.tensors:
+            freqs = self.tensors["rope_freqs"]
+            inv_freq = (inv_freq / freqs.read(slice(0, freqs.shape[0])).reshape(-1)
+                        ).astype(np.float32)
+        return jnp.asarray(inv_freq)
+
+    def params(self, progress: str | None = None) -> Params:
+        """Every tensor `Params` needs, read one at a time and largest first (a large tensor's
+        transient copies then come while little else is resident). `progress`: a
+        progress-bar label, or None."""
+        placed: dict[str, Any] = {}
+        order = sorted(self.names, key=lambda n: -math.prod(self.tensors[n].shape))
+        for name in tqdm(order, desc=progress, unit="tensor",
+                         disable=True if progress is None else None, leave=False):
+            placed[name] = self.leaf(name)
+        return Params(
+            embed=placed["model.embed_tokens.weight"],
+            layers=[self.layer(i, placed) for i in range(self.config.num_layers)],
+            final_norm=placed["model.norm.weight"],
+            lm_head=placed.get("lm_head.weight"),
+            rope_inv_freq=self.rope_inv_freq(),
+        )
 
 
-def load_checkpoint(path: Path, dtype: str = "float32", progress: bool = False,
-                    blocks: bool = False,
-                    on_metadata: Callable[[dict[str, Any]], None] | None = None,
-                    ) -> tuple[ModelConfig, Params, dict[str, Any]]:
-    """Load an HF directory, a .gguf file or a quantized checkpoint directory -> (config,
-    params, GGUF metadata or quantization.json contents or {}). `blocks` keeps a GGUF file's
-    quantized matrices in their blocks (`weights="gguf"`); other inputs are then an error.
-    `on_metadata` is called with a GGUF file's metadata before any tensor is read: work done
-    there (building the tokenizer: +46 MB transient for Qwen2.5's vocabulary) then peaks
-    while the params are not yet resident."""
+def open_checkpoint(path: Path, dtype: str = "float32", blocks: bool = False,
+                    on_metadata: Callable[[dict[str, Any]], None] | None = None) -> Checkpoint:
+    """Open an HF directory or a .gguf file (see `Checkpoint`; a quantized checkpoint
+    directory is `load_checkpoint`'s). `blocks` keeps a GGUF file's quantized matrices in
+    their blocks (`weights="gguf"`); other inputs are then an error. `on_metadata` is called
+    with a GGUF file's metadata before any tensor is read: work done there (building the
+    tokenizer: +46 MB transient for Qwen2.5's vocabulary) then peaks while the params are not
+    yet resident."""
     jdtype = resolve_dtype(dtype)
     if not path.exists():
         raise TqjaxError(f"no such file or directory: {path}")
@@ -346,18 +382,29 @@ def load_checkpoint(path: Path, dtype: str = "float32", progress: bool = False,
         raise TqjaxError(f"weights 'gguf' keeps the quantized blocks of a .gguf file; "
                          f"{path} is not one")
     if checkpoint.is_quantized_checkpoint(path):
-        return checkpoint.load_quantized(path, dtype)
-    perms: dict[str, np.ndarray] = {}
+        raise TqjaxError(f"{path} holds quantized weights already")
     if path.is_dir():
-        config, meta = read_hf_config(path), {}
-        tensors = safetensors_tensors(safetensors_files(path))
-    elif is_gguf:
-        meta, tensors = read_gguf(path)
-        config = config_from_gguf(meta, has_output_weight="lm_head.weight" in tensors)
-        perms = rope_permutations(config)
-        if on_metadata is not None:  # after the config: an unsupported model says so first
-            on_metadata(meta)
-    else:
+        config = read_hf_config(path)
+        return Checkpoint(config, safetensors_tensors(safetensors_files(path)), jdtype,
+                          path=path)
+    if not is_gguf:
         raise TqjaxError(f"{path} is neither an HF model directory nor a .gguf file")
+    meta, tensors = read_gguf(path)
+    config = config_from_gguf(meta, has_output_weight="lm_head.weight" in tensors)
+    if on_metadata is not None:  # after the config: an unsupported model says so first
+        on_metadata(meta)
+    return Checkpoint(config, tensors, jdtype, meta, blocks, rope_permutations(config), path)
+
+
+def load_checkpoint(path: Path, dtype: str = "float32", progress: bool = False,
+                    blocks: bool = False,
+                    on_metadata: Callable[[dict[str, Any]], None] | None = None,
+                    ) -> tuple[ModelConfig, Params, dict[str, Any]]:
+    """Load an HF directory, a .gguf file or a quantized checkpoint directory -> (config,
+    params, GGUF metadata or quantization.json contents or {}); see `open_checkpoint`."""
+    if checkpoint.is_quantized_checkpoint(path) and not blocks:
+        resolve_dtype(dtype)
+        return checkpoint.load_quantized(path, dtype)
+    ckpt = open_checkpoint(path, dtype, blocks, on_metadata)
     label = f"loading {path.name}" if progress else None
-    return config, build_params(tensors, config, jdtype, blocks, perms, label), meta
+    return ckpt.config, ckpt.params(label), ckpt.meta

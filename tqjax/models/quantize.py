@@ -25,6 +25,7 @@ from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
+from tqjax.models.loading import Checkpoint
 from tqjax.models.transformer import (
     LayerParams,
     Params,
@@ -44,6 +45,7 @@ from tqjax.quant.mixed import (
     group_sums,
 )
 from tqjax.quant.weights import (
+    Columns,
     HessianFactor,
     QuantizedLinear,
     WeightFormat,
@@ -190,13 +192,16 @@ Quantizer = Callable[[str, Any, jax.Array], Any]
 
 
 def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, quantize: Quantizer,
-                   head: bool) -> tuple[Params, list[jax.Array]]:
+                   head: bool, dense_layer: Callable[[int], LayerParams] | None = None
+                   ) -> tuple[Params, list[jax.Array]]:
     """Replace linears in model order, each seeing inputs from the already-replaced ones.
 
     windows int32 [W, T] (calibration tokens, each window from position 0). For every linear,
     quantize(path, weight, H) returns its replacement, H = Σ x xᵀ f32 [in, in] over the inputs
     the layer gets in the partly quantized model (the blocks of
     `transformer.forward`, run in stages). `head` also replaces the untied output head.
+    `dense_layer(i)`: layer i's dense params, read when reached (a checkpoint quantized as it
+    is read; `params.layers` is then ignored), instead of `params.layers[i]`.
     Returns the new params and the final-normed hidden states (one [1, T, D] per window).
     """
     x = [_embed(params.embed, jnp.asarray(w, jnp.int32)[None]) for w in windows]
@@ -212,7 +217,8 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         return [_add_linear(xi, a, w) for xi, a in zip(xs, acts, strict=True)]
 
     layers = []
-    for i, dense in enumerate(params.layers):
+    for i in range(config.num_layers):
+        dense = params.layers[i] if dense_layer is None else dense_layer(i)
         hn = [_norm(xi, dense.attn_norm, eps) for xi in x]
         lp = stage(dense, i, ("wq", "wk", "wv"), hn)
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
@@ -315,26 +321,44 @@ def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.nd
     return windows.astype(np.int32)
 
 
-def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
+def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: WeightSpec,
                     calibration: np.ndarray | None = None, progress: bool = False) -> Params:
     """Params whose decoder linears (and, with `spec.quantize_embeddings`, the embedding and an
     untied head) are `QuantizedLinear`s per `spec`.
 
+    params: dense params, or an opened `loading.Checkpoint`, which is then read as it is
+    quantized (one decoder layer at a time; the embedding and head a block of columns at a
+    time), so the load never holds the dense model (except for "mixed", whose Fisher
+    information needs the whole model: it is read first).
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     """
-    if any(isinstance(get_path(params, p), QuantizedLinear) for p in linear_paths(params)):
+    if isinstance(params, Checkpoint) and spec.method == MIXED:
+        params = params.params()
+    source = params if isinstance(params, Checkpoint) else None
+    if source is None and any(isinstance(get_path(params, p), QuantizedLinear)
+                              for p in linear_paths(params)):
         raise TqjaxError("these params are already quantized")
     windows = _check_windows(calibration, config)
-    paths = linear_paths(params, spec.quantize_embeddings)
-    formats = weight_formats(params, config, spec, paths, windows, progress)
+    if source is not None:
+        untied = "lm_head.weight" in source.names
+        params = Params(embed=None, layers=[], final_norm=None,
+                        lm_head=source.columns("lm_head.weight") if untied else None,
+                        rope_inv_freq=source.rope_inv_freq())
+        paths = [f"layers.{i}.{f}" for i in range(config.num_layers) for f in LINEARS]
+        paths += ["lm_head"] if untied and spec.quantize_embeddings else []
+        formats = weight_formats(params, config, spec, paths)  # uniform: no weights read
+    else:
+        paths = linear_paths(params, spec.quantize_embeddings)
+        formats = weight_formats(params, config, spec, paths, windows, progress)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     gram: list[Any] = [None]  # the Gram the cached factors belong to
     factors: dict[tuple[int, int], HessianFactor] = {}  # GPTQ factor of that Gram, per basis
 
-    def quantize(path: str, w: jax.Array, hessian: jax.Array | None) -> QuantizedLinear:
+    def quantize(path: str, w: jax.Array | Columns, hessian: jax.Array | None
+                 ) -> QuantizedLinear:
         fmt = formats[path]
         factor = None
         if hessian is not None:
@@ -342,16 +366,37 @@ def quantize_params(params: Params, config: ModelConfig, spec: WeightSpec,
                 gram[0] = hessian
                 factors.clear()
             basis = (fmt.rotation_block, fmt.group_size(w.shape[0]))
-            if basis not in factors:
-                factors[basis] = hessian_factor(hessian, fmt, spec.seed, spec.damp)
+            if basis not in factors:  # a uniform method needs one basis per Gram: reuse it
+                factors[basis] = hessian_factor(hessian, fmt, spec.seed, spec.damp,
+                                                consume=spec.method != MIXED)
             factor = factors[basis]
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
+    embed: Any = params.embed
     if spec.quantize_embeddings:
-        params = params.replace(embed=quantize_linear(params.embed.T, EMBEDDING_FORMAT, spec.seed))
+        embed = source.columns("model.embed_tokens.weight") if source else params.embed.T
+        embed = quantize_linear(embed, EMBEDDING_FORMAT, spec.seed)
+    elif source is not None:
+        embed = source.leaf("model.embed_tokens.weight")
+    params = params.replace(embed=embed)
+    if source is not None:
+        params = params.replace(final_norm=source.leaf("model.norm.weight"))
     with bar:
-        if windows is None:
+        if windows is None and source is None:
             return set_paths(params, {p: quantize(p, get_path(params, p), None) for p in paths})
-        params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats)
+        if windows is None:  # a checkpoint, data-free: one layer at a time
+            layers = []
+            for i in range(config.num_layers):
+                lp = source.layer(i)
+                layers.append(lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), None)
+                                            for f in LINEARS}))
+            params = params.replace(layers=layers)
+            if "lm_head" in formats:
+                params = params.replace(lm_head=quantize("lm_head", params.lm_head, None))
+        else:
+            params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
+                                       None if source is None else source.layer)
+    if isinstance(params.lm_head, Columns):  # an untied head left dense
+        params = params.replace(lm_head=source.leaf("lm_head.weight"))
     return params
