@@ -397,6 +397,8 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         else:
             params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
                                        None if source is None else source.layer)
+    gram[0] = None  # the last Gram and its factors ([K, K] each) go before the head comes
+    factors.clear()
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight"))
     return params
