@@ -275,13 +275,15 @@ def test_quantized_checkpoint_stream_equals_eager(tmp_path, dtype):
 STREAM_SPECS = [("tq4", True, True), ("int4-affine", False, False), ("int8", True, False)]
 
 
-@pytest.mark.parametrize("method,emb,calibrated", STREAM_SPECS)
+@pytest.mark.parametrize("method,emb,calibrated,dtype", [
+    *((*spec, "float32") for spec in STREAM_SPECS), ("tq4", True, True, "bfloat16")])
 @pytest.mark.parametrize("source", ["llama_tied", "qwen2", "gguf:llama", "gguf:qwen2"])
 def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, emb, calibrated,
-                                                              tmp_path, monkeypatch):
+                                                              dtype, tmp_path, monkeypatch):
     """`quantize_params` over an opened checkpoint (one layer read at a time, the embedding
-    and head by blocks of columns) gives the same bytes as over the whole loaded model; the
-    column blocks are made small so that the embedding and head span several, one ragged."""
+    and head by blocks of columns) gives the same bytes as over the whole loaded model, in
+    that model's dtype; the column blocks are made small so that the embedding and head span
+    several, one ragged."""
     from tqjax.models.quantize import WeightSpec, quantize_params
     from tqjax.quant import weights
 
@@ -290,12 +292,12 @@ def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, em
     if source.startswith("gguf:"):
         path = tmp_path / "model.gguf"
         write_gguf(source.removeprefix("gguf:"), path)
-    config, dense, _ = load_checkpoint(path)
+    config, dense, _ = load_checkpoint(path, dtype)
     spec = WeightSpec(method, quantize_embeddings=emb)
     cal = (np.random.default_rng(1).integers(0, config.vocab_size, (2, 24)).astype(np.int32)
            if calibrated else None)
     want = quantize_params(dense, config, spec, cal)
-    got = quantize_params(loading.open_checkpoint(path), config, spec, cal)
+    got = quantize_params(loading.open_checkpoint(path, dtype), config, spec, cal)
     flat = [jax.tree_util.tree_flatten_with_path(p) for p in (got, want)]
     assert flat[0][1] == flat[1][1]  # the same tree: formats, static fields
     assert len(flat[0][0]) == len(flat[1][0])
@@ -306,14 +308,31 @@ def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, em
         assert got.embed.out_features == config.vocab_size > 48
 
 
-def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, monkeypatch):
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypatch):
     """Reading and quantizing interleave layer by layer: no tensor of layer i + 1 is read
-    before every linear of layer i is quantized, and each linear is read once."""
+    before every linear of layer i is quantized, each linear is read once, and layer i's
+    dense arrays are gone (weak references) when layer i + 1 is read."""
+    import gc
+    import weakref
+
     from tqjax.models import quantize as mq
 
     events: list[str] = []
     path = tiny_gguf[0]
     ckpt = loading.open_checkpoint(path)
+    dense: list[list[weakref.ref]] = []
+    alive_at_read: list[int] = []
+    layer = ckpt.layer
+
+    def read_layer(i, placed=None):
+        gc.collect()
+        alive_at_read.append(sum(r() is not None for refs in dense for r in refs))
+        lp = layer(i, placed)
+        dense.append([weakref.ref(getattr(lp, f)) for f in mq.LINEARS])
+        return lp
+
+    monkeypatch.setattr(ckpt, "layer", read_layer)
     for name, t in list(ckpt.tensors.items()):
         read = t.read
         ckpt.tensors[name] = loading.StoredTensor(
@@ -323,7 +342,8 @@ def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, monkeypatch):
     monkeypatch.setattr(mq, "quantize_linear",
                         lambda w, *a, **k: events.append("quantize") or real(w, *a, **k))
     cal = np.arange(24, dtype=np.int32)[None] % ckpt.config.vocab_size
-    mq.quantize_params(ckpt, ckpt.config, mq.WeightSpec("tq4"), cal)
+    mq.quantize_params(ckpt, ckpt.config, mq.WeightSpec("tq4"), cal if calibrated else None)
+    assert alive_at_read == [0] * ckpt.config.num_layers
     layer_reads = [e for e in events if e.startswith("read model.layers.")]
     linears = [e for e in layer_reads if e.endswith("proj.weight")]
     assert len(linears) == len(set(linears)) == 7 * ckpt.config.num_layers

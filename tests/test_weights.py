@@ -699,6 +699,24 @@ def test_quantize_script_json(tmp_path, capsys):
         is None
 
 
+def test_quantize_script_reads_an_orbax_checkpoint_whole(tmp_path):
+    """An orbax checkpoint (sharded pytrees) is restored, then quantized: the same tensors as
+    the HF directory it was saved from, which is read a layer at a time."""
+    from tqjax.commands.quantize import run
+    from tqjax.models.orbax_checkpoint import save_sharded
+
+    src = GOLDEN / "tiny" / "llama"
+    m = tqjax.load(src)
+    save_sharded(tmp_path / "orbax", m.params, m.config)
+    for name, model in (("a", src), ("b", tmp_path / "orbax")):
+        assert run(["--model", str(model), "--out", str(tmp_path / name), "--weights", "tq4",
+                    "--calibration", "none", "--json"]) == 0
+    a, b = (load_file(tmp_path / n / "model.safetensors") for n in "ab")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
 def test_quantize_records_the_calibration_sha256(tmp_path):
     """A calibrated checkpoint names its calibration text by the sha256 of the shipped file."""
     import hashlib

@@ -90,6 +90,7 @@ def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
 
 
 def _hf_tokenizer(path: Path, config: ModelConfig) -> Tokenizer | None:
+    """The tokenizer of an HF-style directory (tokenizer.json or .model), or None."""
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return tokenizer_from_hf_dir(path, config.eos_token_ids, config.bos_token_id)
     return None
@@ -99,11 +100,13 @@ def open_model(path_or_name: str | Path, dtype: str = "float32", progress: bool 
                ) -> tuple[Checkpoint, Tokenizer | None]:
     """An HF directory or .gguf file opened, not read (`loading.Checkpoint`: its config, and
     its tensors read on demand), and its tokenizer (None for a weights-only directory): what
-    `quantize_params` reads a layer at a time, as `load(weights=...)` does."""
+    `quantize_params` reads a layer at a time, as `load(weights=...)` does. A GGUF file's
+    metadata is dropped once the tokenizer is built (Qwen2.5's vocabulary: tens of MB)."""
     path = resolve_path(path_or_name, progress)
     gguf_tokenizer: list[Tokenizer] = []
     source = open_checkpoint(path, dtype, on_metadata=lambda meta: gguf_tokenizer.append(
         tokenizer_from_gguf(meta)))
+    source.meta = {}
     return source, gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, source.config)
 
 

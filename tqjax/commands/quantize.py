@@ -62,9 +62,10 @@ def run(argv: list[str] | None = None) -> int:
     import dataclasses
 
     import tqjax
-    from tqjax.api import open_model
+    from tqjax.api import open_model, resolve_path
     from tqjax.models.calibration import calibration_source, calibration_windows, text_sha256
     from tqjax.models.checkpoint import save_quantized
+    from tqjax.models.orbax_checkpoint import is_orbax_checkpoint
     from tqjax.models.quantize import WeightSpec, quantize_params
     from tqjax.quant.accounting import params_bits
 
@@ -73,13 +74,18 @@ def run(argv: list[str] | None = None) -> int:
     if args.calibration_windows < 1 or args.calibration_length < 2:
         raise tqjax.TqjaxError("--calibration-windows must be >= 1 and --calibration-length >= 2")
     t0 = time.perf_counter()
-    source, tokenizer = open_model(args.model, progress=not args.json)  # read as quantized
-    config = source.config
+    path = resolve_path(args.model, progress=not args.json)
+    if is_orbax_checkpoint(path):  # sharded pytrees: restored whole, then quantized
+        model = tqjax.load(path, progress=not args.json)
+        source, config, tokenizer = model.params, model.config, model.tokenizer
+    else:  # read a layer at a time as it is quantized
+        source, tokenizer = open_model(path, progress=not args.json)
+        config = source.config
     text = calibration_source(args.calibration)
     windows = None
     if text is not None:
         if tokenizer is None:
-            raise tqjax.TqjaxError(f"{source.path} has no tokenizer; use --calibration none")
+            raise tqjax.TqjaxError(f"{path} has no tokenizer; use --calibration none")
         length = min(args.calibration_length, config.max_position)
         windows = calibration_windows(tokenizer, text, args.calibration_windows, length)
     t1 = time.perf_counter()
@@ -89,10 +95,10 @@ def run(argv: list[str] | None = None) -> int:
         "calibration": args.calibration,
         "calibration_sha256": None if text is None else text_sha256(text),
         "calibration_tokens": 0 if windows is None else int(windows.size)},
-        tokenizer=tokenizer, source=source.path, dense_dtype=args.dense_dtype)
+        tokenizer=tokenizer, source=path, dense_dtype=args.dense_dtype)
     bits = params_bits(params)
     result = {
-        "out": str(args.out), "model": str(source.path), "weights": args.weights,
+        "out": str(args.out), "model": str(path), "weights": args.weights,
         "bpw": round(bits["quantized_bpw"], 6), "bpw_overall_disk": round(
             meta["disk"]["weights_bpw"], 6),
         "bytes": sum(f.stat().st_size for f in args.out.iterdir()),

@@ -287,6 +287,7 @@ class Checkpoint:
     blocks: bool = False
     perms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     path: Path | None = None  # the file or directory it was opened from
+    names: dict[str, str] = dataclasses.field(init=False)  # `param_names(config)`
 
     def __post_init__(self) -> None:
         self.names = param_names(self.config)
@@ -307,11 +308,17 @@ class Checkpoint:
 
     def columns(self, name: str) -> Columns:
         """A 2-D tensor stored [rows, D] (the embedding [V, D], a head [V, D]) as the
-        [D, rows] matrix whose columns are its rows, read a block of columns at a time, f32."""
+        [D, rows] matrix whose columns are its rows, read a block of columns at a time, with
+        the values of `dtype` (as `leaf` would place them) in f32."""
         t = self.tensors[name]
         if len(t.shape) != 2 or name in self.perms:
             raise TqjaxError(f"{name} cannot be read by columns")
-        return Columns((t.shape[1], t.shape[0]), lambda a, b: t.read(slice(a, b)).T)
+
+        def read(a: int, b: int) -> np.ndarray:  # [D, b - a]
+            rows = t.read(slice(a, b))
+            return (rows if self.dtype == jnp.float32 else rows.astype(self.dtype)).T
+
+        return Columns((t.shape[1], t.shape[0]), read)
 
     def layer(self, i: int, placed: dict[str, Any] | None = None) -> LayerParams:
         """Decoder layer i, its tensors taken from `placed` (HF name -> leaf) or read now."""

@@ -233,6 +233,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         lp = stage(lp, i, ("w_down",), gated)
         x = add(x, gated, lp.w_down)
         layers.append(lp)
+        del dense, mlp_in, hn, heads, gated  # before the next layer is read
     params = params.replace(layers=layers)
     hidden = [_norm(xi, params.final_norm, eps) for xi in x]
     if head and params.lm_head is not None:
@@ -334,6 +335,8 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     """
+    if isinstance(params, Checkpoint) and params.blocks:
+        raise TqjaxError("a checkpoint opened with its GGUF blocks kept is not quantized again")
     if isinstance(params, Checkpoint) and spec.method == MIXED:
         params = params.params()
     source = params if isinstance(params, Checkpoint) else None
@@ -391,6 +394,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
                 lp = source.layer(i)
                 layers.append(lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), None)
                                             for f in LINEARS}))
+                del lp  # before the next layer is read
             params = params.replace(layers=layers)
             if "lm_head" in formats:
                 params = params.replace(lm_head=quantize("lm_head", params.lm_head, None))

@@ -634,10 +634,8 @@ def quantize_linear(w: jax.Array | Columns, fmt: WeightFormat, seed: int = 0,
         raise TqjaxError(f"the Hessian factor was prepared for another basis than {fmt.name} "
                          f"with {k} inputs")
     lut = format_lut(fmt)
-    traced = isinstance(w, jax.core.Tracer)  # (inside a jit: the blocks are concatenated)
-    parts: list[tuple[jax.Array, ...]] = []
-    out = (host_buffer((n, kp * fmt.bits // 8), np.uint8), host_buffer((n, kp // g), np.float16),
-           host_buffer((n, kp // g), np.float16) if fmt.kind == "affine" else None)
+    parts: list[tuple[jax.Array, ...]] = []  # (inside a jit: the blocks are concatenated)
+    out: tuple[np.ndarray | None, ...] = ()
     ones = jnp.ones(kp)
     for a in range(0, n, QUANTIZE_COLUMNS):
         b = min(n, a + QUANTIZE_COLUMNS)
@@ -647,14 +645,18 @@ def quantize_linear(w: jax.Array | Columns, fmt: WeightFormat, seed: int = 0,
                        else _gptq(wc, hessian, fmt))
         part = (pack_bits(codes.T, fmt.bits), s.T.astype(SCALE_DTYPE),
                 None if o is None else o.T.astype(SCALE_DTYPE))
-        if traced:
+        if parts or isinstance(codes, jax.core.Tracer):
             parts.append(part)
             continue
+        if not out:  # the result's host buffers, filled block by block
+            out = (host_buffer((n, kp * fmt.bits // 8), np.uint8),
+                   host_buffer((n, kp // g), SCALE_DTYPE),
+                   host_buffer((n, kp // g), SCALE_DTYPE) if fmt.kind == "affine" else None)
         for buf, x in zip(out, part, strict=True):
             if buf is not None:
                 buf[a:b] = np.asarray(x)
         del block, wc, codes, s, o, part
-    if traced:
+    if parts:
         packed, scale, offset = (None if parts[0][i] is None else
                                  jnp.concatenate([p[i] for p in parts]) for i in range(3))
     else:
