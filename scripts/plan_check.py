@@ -8,9 +8,10 @@ pytree's, its cache bytes against the allocated cache's.
 
 Fit (`--fit`): bench.py runs at two prompt lengths on two models (f32 weights and cache); the
 residual peak RSS - params - cache is fitted (least squares) as base + b·chunk·hidden, the
-constants of `tqjax.planner.RUNTIME`. A vocabulary term a·batch·vocab (logits, sampling) is
-not measurable at batch 1 (bench.py runs one sequence; its fitted coefficient came out
-negative) and is left at 0.
+constants of `tqjax.planner.RUNTIME`; three more runs with turbo caches measure what their
+calibration pass adds beyond that fit, per layer (the largest is `per_calibrated_layer`).
+A vocabulary term a·batch·vocab (logits, sampling) is not measurable at batch 1 (bench.py
+runs one sequence; its fitted coefficient came out negative) and is left at 0.
 
     python scripts/plan_check.py --out results/current/plan/check.json
     python scripts/plan_check.py --fit --out results/current/plan/fit.json
@@ -45,6 +46,9 @@ CASES = (
 )
 # model, prompt tokens, slots for the fit (f32 weights and cache)
 FIT_RUNS = ((SMOL, 58, 64), (SMOL, 1018, 1024), (QWEN, 58, 64), (QWEN, 1018, 1024))
+# model, turbo cache, prompt tokens, slots for the calibration term (f32 weights)
+FIT_TURBO_RUNS = ((SMOL, "turbo4", 1018, 1024), (SMOL, "turbo4/turbo3", 1018, 1024),
+                  (QWEN, "turbo3", 1018, 1024))
 TOLERANCE = 0.10
 DECODE_TOKENS = 4
 
@@ -138,9 +142,24 @@ def fit() -> dict:
     y = np.array([r[3] for r in rows])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     pred = a @ coef
+    turbo = []  # what a turbo cache's calibration pass adds beyond that fit, per layer
+    for model, kv, prompt, slots in FIT_TURBO_RUNS:
+        config, _ = _tensor_table(fetch_model(model, progress=False))
+        tq = (r := bench(model, "f32", kv, prompt, slots)).get("tqjax", r)
+        resid = tq["peak_rss_bytes"] - tq["param_bytes"] - tq["cache_alloc_bytes"]
+        extra = resid - coef[0] - coef[1] * min(512, slots) * config.hidden_size
+        turbo.append({"model": model, "kv": kv, "prompt_tokens": prompt, "slots": slots,
+                      "peak_rss_bytes": tq["peak_rss_bytes"], "param_bytes": tq["param_bytes"],
+                      "cache_alloc_bytes": tq["cache_alloc_bytes"], "residual_bytes": resid,
+                      "beyond_fit_bytes": float(extra), "layers": config.num_layers,
+                      "per_layer_bytes": float(extra / config.num_layers),
+                      "wall_s": r["wall_s"]})
+        print(json.dumps(turbo[-1]), file=sys.stderr, flush=True)
     return {"runs": runs, "base": float(coef[0]), "per_logit": 0.0,
             "per_activation": float(coef[1]),
             "max_abs_residual_bytes": float(np.abs(pred - y).max()),
+            "turbo_runs": turbo,
+            "per_calibrated_layer": max(0.0, max(t["per_layer_bytes"] for t in turbo)),
             "command": "python scripts/plan_check.py --fit"}
 
 
