@@ -9,7 +9,8 @@ pytree's, its cache bytes against the allocated cache's.
 Fit (`--fit`): bench.py runs at two prompt lengths on two models (f32 weights and cache); the
 residual peak RSS - params - cache is fitted (least squares) as base + b·chunk·hidden, the
 constants of `tqjax.planner.RUNTIME`; three more runs with turbo caches measure what their
-calibration pass adds beyond that fit, per layer (the largest is `per_calibrated_layer`).
+calibration pass (and their larger decode step) add beyond that fit (the largest is
+`calibrated`).
 A vocabulary term a·batch·vocab (logits, sampling) is not measurable at batch 1 (bench.py
 runs one sequence; its fitted coefficient came out negative) and is left at 0.
 
@@ -142,7 +143,7 @@ def fit() -> dict:
     y = np.array([r[3] for r in rows])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     pred = a @ coef
-    turbo = []  # what a turbo cache's calibration pass adds beyond that fit, per layer
+    turbo = []  # what a turbo cache's calibration pass adds beyond that fit
     for model, kv, prompt, slots in FIT_TURBO_RUNS:
         config, _ = _tensor_table(fetch_model(model, progress=False))
         tq = (r := bench(model, "f32", kv, prompt, slots)).get("tqjax", r)
@@ -151,15 +152,13 @@ def fit() -> dict:
         turbo.append({"model": model, "kv": kv, "prompt_tokens": prompt, "slots": slots,
                       "peak_rss_bytes": tq["peak_rss_bytes"], "param_bytes": tq["param_bytes"],
                       "cache_alloc_bytes": tq["cache_alloc_bytes"], "residual_bytes": resid,
-                      "beyond_fit_bytes": float(extra), "layers": config.num_layers,
-                      "per_layer_bytes": float(extra / config.num_layers),
-                      "wall_s": r["wall_s"]})
+                      "beyond_fit_bytes": float(extra), "wall_s": r["wall_s"]})
         print(json.dumps(turbo[-1]), file=sys.stderr, flush=True)
     return {"runs": runs, "base": float(coef[0]), "per_logit": 0.0,
             "per_activation": float(coef[1]),
             "max_abs_residual_bytes": float(np.abs(pred - y).max()),
             "turbo_runs": turbo,
-            "per_calibrated_layer": max(0.0, max(t["per_layer_bytes"] for t in turbo)),
+            "calibrated": max(0.0, max(t["beyond_fit_bytes"] for t in turbo)),
             "command": "python scripts/plan_check.py --fit"}
 
 

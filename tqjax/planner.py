@@ -75,7 +75,7 @@ class Runtime:
     per_activation: float
     command: str
     dequantized: float = 0.0  # bf16 and GGUF-block weights: × the weights' f32 bytes
-    per_calibrated_layer: float = 0.0  # turbo caches (calibration pass): × layers
+    calibrated: float = 0.0  # turbo caches: their calibration pass and larger decode step
 
 
 # Measured: `python scripts/plan_check.py --fit` (results/current/plan/fit.json): least squares
@@ -101,7 +101,7 @@ class Runtime:
 # refit, with the MLIR emitters (larger compiles): upper bounds now.
 RUNTIME = Runtime(base=425_335_111.0, per_logit=0.0, per_activation=20.19,
                   command="python scripts/plan_check.py --fit", dequantized=1.14,
-                  per_calibrated_layer=23.9e6)
+                  calibrated=189.3e6)
 # The same fit with XLA:CPU's MLIR fusion emitters (XLA's own default: a jaxlib tqjax.xla has
 # not been measured on, or --xla_cpu_use_fusion_emitters=true), before the refit.
 RUNTIME_MLIR_EMITTERS = dataclasses.replace(RUNTIME, base=493_281_922.0, per_activation=132.85)
@@ -262,7 +262,7 @@ def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = 
     chunk = min(PREFILL_CHUNK, slots_for(context))
     rt = runtime()
     upcast = rt.dequantized * f32_params if weights in ("bf16", "gguf") else 0.0
-    calib = rt.per_calibrated_layer * config.num_layers if calibrated else 0.0
+    calib = rt.calibrated if calibrated else 0.0
     return round(rt.base + rt.per_logit * batch * config.vocab_size
                  + rt.per_activation * batch * chunk * config.hidden_size + upcast + calib)
 
