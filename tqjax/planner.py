@@ -80,31 +80,30 @@ class Runtime:
 
 # Measured: `python scripts/plan_check.py --fit` (results/current/plan/fit.json): least squares
 # over bench.py peak RSS (VmHWM) minus exact params and cache, SmolLM2 and Qwen2.5-Coder-0.5B,
-# f32 weights and cache, prompts of 58 and 1018 tokens, batch 1; largest misfit 13 MB (refitted
-# when tqjax took XLA:CPU's LLVM fusion emitters, `tqjax.xla`: base 493 -> 425 MB). The
-# vocabulary term is not measurable at batch 1 (its fitted coefficient was negative): 0.
+# f32 weights and cache, prompts of 58 and 1018 tokens, batch 1; largest misfit 11 MB (refitted
+# at stop 41: base 425 -> 423 MB, per_activation 20.2 -> 27.9). The vocabulary term is not
+# measurable at batch 1 (its fitted coefficient was negative): 0.
 # bf16 and GGUF-block weights: the compiled steps hold f32 copies of weights at their peak
 # (XLA's CPU dots upcast bf16; the GGUF prefill decodes whole matrices). Measured beyond this
-# model and the turbo term below, in units of the weights' f32 bytes (bench.py, 1024 slots):
-# Qwen2.5-Coder-0.5B bf16 with an f32 cache 0.79, GGUF blocks with turbo4 0.59; SmolLM2 bf16
-# with turbo4 1.14, GGUF blocks with turbo4/turbo3 1.11. The planner takes the largest, so its
-# bf16 and GGUF rows are upper bounds (on Qwen ~0.9 GB high).
+# model, in units of the weights' f32 bytes (bench.py, 1024 slots, before the refit of stop 40,
+# with the MLIR emitters: upper bounds now): Qwen2.5-Coder-0.5B bf16 with an f32 cache 0.79,
+# GGUF blocks with turbo4 0.59; SmolLM2 bf16 with turbo4 1.14, GGUF blocks with turbo4/turbo3
+# 1.11. The planner takes the largest, so its bf16 and GGUF rows are upper bounds.
 # int8 / tq4 / mixed were not measured (their tiled XLA linear keeps its temporaries under
 # 1/4 of one f32 weight).
-# Turbo caches: the calibration pass (`tqjax.decode.calibrate`, one jitted forward over the
-# built-in text, ~500 tokens, plus its compilation) raised the peak beyond this model by 432 MB
-# on Qwen2.5-Coder-0.5B (24 layers; turbo3, 1536 slots), 565 MB on SmolLM2 (30 layers; turbo4)
-# and 718 MB on SmolLM2 turbo4/turbo3: 18.0, 18.8 and 23.9 MB per layer, not per vocabulary
-# entry (the vocabularies differ 3x). The spread is likely compilation scratch (XLA's persistent
-# cache may or may not hold a program already). The planner takes the largest; the runs are in
-# results/current/plan/check.json. The bf16/GGUF and turbo terms were measured before the
-# refit, with the MLIR emitters (larger compiles): upper bounds now.
-RUNTIME = Runtime(base=425_335_111.0, per_logit=0.0, per_activation=20.19,
+# Turbo caches: their calibration pass (`tqjax.decode.calibrate`) and their larger compiled
+# decode step add, beyond this fit (the same --fit run, 1018-token prompt, 1024 slots): 74 MB
+# on SmolLM2 turbo4, 89 MB turbo4/turbo3, 181 MB on Qwen2.5-Coder-0.5B turbo3. Not per layer
+# (SmolLM2 has more layers and the smaller term) nor per vocabulary entry; the planner takes
+# the largest, a constant.
+RUNTIME = Runtime(base=423_325_755.0, per_logit=0.0, per_activation=27.88,
                   command="python scripts/plan_check.py --fit", dequantized=1.14,
-                  calibrated=189.3e6)
+                  calibrated=180_964_165.0)
 # The same fit with XLA:CPU's MLIR fusion emitters (XLA's own default: a jaxlib tqjax.xla has
-# not been measured on, or --xla_cpu_use_fusion_emitters=true), before the refit.
-RUNTIME_MLIR_EMITTERS = dataclasses.replace(RUNTIME, base=493_281_922.0, per_activation=132.85)
+# not been measured on, or --xla_cpu_use_fusion_emitters=true), before the refits of stops 40
+# and 41; its turbo term the largest measured with them (stop 38: SmolLM2 turbo4/turbo3).
+RUNTIME_MLIR_EMITTERS = dataclasses.replace(RUNTIME, base=493_281_922.0, per_activation=132.85,
+                                            calibrated=718e6)
 
 
 def runtime() -> Runtime:
