@@ -13,7 +13,6 @@ of each allocation's stack (the largest `--top`). tqjax sets XLA_FLAGS when impo
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import json
@@ -21,31 +20,19 @@ import os
 import re
 import tempfile
 
-import jax.numpy as jnp
+from program_memory import decode_args, model_and_cache, parser  # (scripts/research)
 
-import tqjax
-from tqjax.decode.generate import decode_step, new_cache
-from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
-from tqjax.kv.cache import parse_kv
+from tqjax.decode.generate import decode_step
 
 
 def main() -> None:
     import memray
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("kv", help='cache type, "K" or "K/V"')
-    p.add_argument("context", type=int)
+    p = parser(__doc__)
     p.add_argument("--top", type=int, default=8)
     a = p.parse_args()
-    m = tqjax.load(a.model)
-    cfg = m.config
-    spec = tqjax.CacheSpec(*parse_kv(a.kv))
-    cache = new_cache(m.params, cfg, spec, 1, a.context + 50, m.calibration(spec))
-    lowered = decode_step.lower(m.params, cfg, cache, jnp.asarray([1], jnp.int32),
-                                jnp.asarray([a.context], jnp.int32), row_keys(0, 1),
-                                row_sampling([SamplingParams()]),
-                                jnp.zeros((1, cfg.vocab_size), bool))
+    m, cache = model_and_cache(a)
+    lowered = decode_step.lower(*decode_args(m, cache, a.context))
     gc.collect()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "compile.bin")

@@ -51,18 +51,35 @@ def hlo_size(jitted: object, *args: object) -> dict[str, int | float]:
             "compile_peak_mb": round(proc_status_bytes("VmHWM") / 1e6 - base, 1)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments MODEL KV CONTEXT (shared with compile_heap.py)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("model")
     p.add_argument("kv", help='cache type, "K" or "K/V"')
     p.add_argument("context", type=int)
+    return p
+
+
+def model_and_cache(a: argparse.Namespace) -> tuple[tqjax.Model, object]:
+    """The model and a batch-1 cache of a.context + 50 slots in format a.kv."""
+    m = tqjax.load(a.model)
+    spec = tqjax.CacheSpec(*parse_kv(a.kv))
+    return m, new_cache(m.params, m.config, spec, 1, a.context + 50, m.calibration(spec))
+
+
+def decode_args(m: tqjax.Model, cache: object, position: int) -> tuple:
+    """`decode_step`'s arguments for one greedy token at `position`."""
+    return (m.params, m.config, cache, jnp.asarray([1], jnp.int32),
+            jnp.asarray([position], jnp.int32), row_keys(0, 1),
+            row_sampling([SamplingParams()]), jnp.zeros((1, m.config.vocab_size), bool))
+
+
+def main() -> None:
+    p = parser(__doc__)
     p.add_argument("--prompt-tokens", type=int, default=512)
     a = p.parse_args()
-    m = tqjax.load(a.model)
+    m, cache = model_and_cache(a)
     cfg = m.config
-    spec = tqjax.CacheSpec(*parse_kv(a.kv))
-    cal = m.calibration(spec)
-    cache = new_cache(m.params, cfg, spec, 1, a.context + 50, cal)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
                                                          (1, a.prompt_tokens), np.int32))
     start = jnp.zeros(1, jnp.int32)
@@ -72,9 +89,7 @@ def main() -> None:
     base = trimmed_rss()
     _, cache = jax.block_until_ready(prefill_chunk(*pre_args))
     after_prefill = trimmed_rss()
-    dec_args = (m.params, cfg, cache, jnp.asarray([1], jnp.int32),
-                jnp.asarray([a.prompt_tokens], jnp.int32), row_keys(0, 1),
-                row_sampling([SamplingParams()]), jnp.zeros((1, cfg.vocab_size), bool))
+    dec_args = decode_args(m, cache, a.prompt_tokens)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                           if isinstance(x, jax.Array) else x, dec_args[2])
     out = jax.block_until_ready(decode_step(*dec_args))
