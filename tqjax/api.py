@@ -34,6 +34,7 @@ from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
 from tqjax.models.calibration import calibration_corpus, calibration_windows
+from tqjax.models.checkpoint import is_quantized_checkpoint
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import GGUF_WEIGHTS, Checkpoint, load_checkpoint, open_checkpoint
 from tqjax.models.quantize import WeightSpec, quantize_params
@@ -96,15 +97,16 @@ def _hf_tokenizer(path: Path, config: ModelConfig) -> Tokenizer | None:
     return None
 
 
-def open_model(path_or_name: str | Path, dtype: str = "float32", progress: bool = False
-               ) -> tuple[Checkpoint, Tokenizer | None]:
+def open_model(path_or_name: str | Path, dtype: str = "float32", progress: bool = False,
+               blocks: bool = False) -> tuple[Checkpoint, Tokenizer | None]:
     """An HF directory or .gguf file opened, not read (`loading.Checkpoint`: its config, and
-    its tensors read on demand), and its tokenizer (None for a weights-only directory): what
-    `quantize_params` reads a layer at a time, as `load(weights=...)` does. A GGUF file's
-    metadata is dropped once the tokenizer is built (Qwen2.5's vocabulary: tens of MB)."""
+    its tensors read on demand; `blocks`: GGUF blocks kept), and its tokenizer (None for a
+    weights-only directory), built before any tensor is read: what `load` reads a tensor at a
+    time and `quantize_params` a layer at a time. A GGUF file's metadata is dropped once the
+    tokenizer is built (Qwen2.5's vocabulary: tens of MB)."""
     path = resolve_path(path_or_name, progress)
     gguf_tokenizer: list[Tokenizer] = []
-    source = open_checkpoint(path, dtype, on_metadata=lambda meta: gguf_tokenizer.append(
+    source = open_checkpoint(path, dtype, blocks, on_metadata=lambda meta: gguf_tokenizer.append(
         tokenizer_from_gguf(meta)))
     source.meta = {}
     return source, gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, source.config)
@@ -144,21 +146,22 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     if orbax:
         config, params, _ = restore_sharded(path, mesh, dtype)
         tokenizer = _hf_tokenizer(path, config)
-    elif weights is not None and not blocks:  # read as it is quantized, never whole
-        source, tokenizer = open_model(path, dtype)
-        config, windows = source.config, None
-        if tokenizer is not None:
-            count, length = ON_THE_FLY_CALIBRATION
-            windows = calibration_windows(tokenizer, calibration_corpus(), count,
-                                          min(length, config.max_position))
-        spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
-        params = quantize_params(source, config, spec, windows, progress=progress)
-    else:
-        gguf_tokenizer: list[Tokenizer] = []  # built before the tensors are read
-        config, params, _ = load_checkpoint(
-            path, dtype, progress, blocks,
-            on_metadata=lambda meta: gguf_tokenizer.append(tokenizer_from_gguf(meta)))
-        tokenizer = gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, config)
+    elif is_quantized_checkpoint(path) and weights is None:
+        config, params, _ = load_checkpoint(path, dtype)
+        tokenizer = _hf_tokenizer(path, config)
+    else:  # read a tensor at a time (quantizing: a layer at a time, never the whole model)
+        source, tokenizer = open_model(path, dtype, blocks=blocks)
+        config = source.config
+        if weights is None or blocks:
+            params = source.params(f"loading {path.name}" if progress else None)
+        else:
+            windows = None
+            if tokenizer is not None:
+                count, length = ON_THE_FLY_CALIBRATION
+                windows = calibration_windows(tokenizer, calibration_corpus(), count,
+                                              min(length, config.max_position))
+            spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
+            params = quantize_params(source, config, spec, windows, progress=progress)
     if mesh is not None and not orbax:
         params = shard_params(params, config, mesh)
     return Model(config, params, tokenizer, str(path), dtype)

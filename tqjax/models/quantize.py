@@ -120,8 +120,12 @@ class WeightSpec:
 
 def linear_paths(params: Params, quantize_head: bool = True) -> list[str]:
     """Names of the quantizable linears: "layers.{i}.{field}" and "lm_head" (if untied)."""
-    names = [f"layers.{i}.{f}" for i in range(len(params.layers)) for f in LINEARS]
-    return names + (["lm_head"] if quantize_head and params.lm_head is not None else [])
+    return _linear_names(len(params.layers), quantize_head and params.lm_head is not None)
+
+
+def _linear_names(num_layers: int, head: bool) -> list[str]:
+    names = [f"layers.{i}.{f}" for i in range(num_layers) for f in LINEARS]
+    return names + (["lm_head"] if head else [])
 
 
 def get_path(params: Params, path: str) -> Any:
@@ -349,8 +353,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         params = Params(embed=None, layers=[], final_norm=None,
                         lm_head=source.columns("lm_head.weight") if untied else None,
                         rope_inv_freq=source.rope_inv_freq())
-        paths = [f"layers.{i}.{f}" for i in range(config.num_layers) for f in LINEARS]
-        paths += ["lm_head"] if untied and spec.quantize_embeddings else []
+        paths = _linear_names(config.num_layers, untied and spec.quantize_embeddings)
         formats = weight_formats(params, config, spec, paths)  # uniform: no weights read
     else:
         paths = linear_paths(params, spec.quantize_embeddings)
@@ -385,13 +388,12 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     params = params.replace(embed=embed)
     if source is not None:
         params = params.replace(final_norm=source.leaf("model.norm.weight"))
+    layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
     with bar:
-        if windows is None and source is None:
-            return set_paths(params, {p: quantize(p, get_path(params, p), None) for p in paths})
-        if windows is None:  # a checkpoint, data-free: one layer at a time
+        if windows is None:  # data-free: each tensor on its own, one layer at a time
             layers = []
             for i in range(config.num_layers):
-                lp = source.layer(i)
+                lp = layer(i)
                 layers.append(lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), None)
                                             for f in LINEARS}))
                 del lp  # before the next layer is read
@@ -400,7 +402,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
                 params = params.replace(lm_head=quantize("lm_head", params.lm_head, None))
         else:
             params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
-                                       None if source is None else source.layer)
+                                       layer)
     gram[0] = None  # the last Gram and its factors ([K, K] each) go before the head comes
     factors.clear()
     if isinstance(params.lm_head, Columns):  # an untied head left dense
