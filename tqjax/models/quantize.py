@@ -348,9 +348,11 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
                               for p in linear_paths(params)):
         raise TqjaxError("these params are already quantized")
     windows = _check_windows(calibration, config)
-    if source is not None:
-        untied = "lm_head.weight" in source.names
-        params = Params(embed=None, layers=[], final_norm=None,
+    if source is not None:  # all but the decoder layers: placed, or read later by columns
+        untied, embed = "lm_head.weight" in source.names, "model.embed_tokens.weight"
+        params = Params(embed=source.columns(embed) if spec.quantize_embeddings
+                        else source.leaf(embed), layers=[],
+                        final_norm=source.leaf("model.norm.weight"),
                         lm_head=source.columns("lm_head.weight") if untied else None,
                         rope_inv_freq=source.rope_inv_freq())
         paths = _linear_names(config.num_layers, untied and spec.quantize_embeddings)
@@ -379,15 +381,9 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
-    embed: Any = params.embed
-    if spec.quantize_embeddings:
-        embed = source.columns("model.embed_tokens.weight") if source else params.embed.T
-        embed = quantize_linear(embed, EMBEDDING_FORMAT, spec.seed)
-    elif source is not None:
-        embed = source.leaf("model.embed_tokens.weight")
-    params = params.replace(embed=embed)
-    if source is not None:
-        params = params.replace(final_norm=source.leaf("model.norm.weight"))
+    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
+        embed = params.embed if source else params.embed.T
+        params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
     layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
     with bar:
         if windows is None:  # data-free: each tensor on its own, one layer at a time
