@@ -228,6 +228,41 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt):
                         hessian=hessian_factor(h, WeightFormat("tq", 4, 64)))
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat("sym", 8, 0), WeightFormat("tq", 4, 32)],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("consume", [False, True])
+def test_hessian_factor_is_gptq_upper_cholesky_of_the_inverse(fmt, consume):
+    """The rows `_upper_rows` reads make an upper-triangular U with Uᵀ U = (H + λI)⁻¹ in
+    quantization order (float64 reference), H in the stored basis (rotated for "tq"); dead
+    inputs get a unit diagonal; `consume` deletes H, otherwise H is left as it was."""
+    from tqjax.quant.weights import _upper_rows
+
+    rng = np.random.default_rng(3)
+    k = 96
+    x = rng.standard_normal((512, k)) * np.linspace(0.2, 2, k)
+    x[:, 5] = 0  # a dead input
+    h = jnp.asarray(x.T @ x, jnp.float32)
+    kept = np.asarray(h).copy()
+    factor = hessian_factor(h, fmt, damp=0.01, consume=consume)
+    assert h.is_deleted() == consume
+    if not consume:
+        np.testing.assert_array_equal(np.asarray(h), kept)
+    hr = np.asarray(to_stored_basis(to_stored_basis(jnp.asarray(kept), fmt).T, fmt), np.float64)
+    order = np.asarray(factor.order)
+    hp = hr[order][:, order]
+    dead = np.diag(hp) <= 1e-6
+    np.testing.assert_array_equal(np.asarray(factor.dead), dead)
+    assert dead.sum() == (0 if fmt.rotation_block else 1)
+    hp += np.diag(dead.astype(np.float64))
+    hp += 0.01 * np.mean(np.diag(hp)) * np.eye(k)
+    np.testing.assert_allclose(np.asarray(factor.importance), np.diag(hp), rtol=1e-5)
+    u = np.concatenate([np.asarray(_upper_rows(factor.inverse, jnp.int32(a), 32), np.float64)
+                        for a in range(0, k, 32)])
+    assert np.all(np.tril(u, -1) == 0)
+    np.testing.assert_allclose(u.T @ u, np.linalg.inv(hp), rtol=1e-3,
+                               atol=1e-4 * np.abs(np.linalg.inv(hp)).max())
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat("sym", 4, 32), WeightFormat("affine", 4, 32)],
                          ids=lambda f: f.name)
 def test_gptq_act_order_maps_codes_back_to_their_rows(fmt):
@@ -262,7 +297,8 @@ def test_gptq_act_order_beats_the_natural_order():
     h = jnp.asarray(x.T @ x, jnp.float32)
     act = hessian_factor(h, fmt)
     hr = to_stored_basis(to_stored_basis(h, fmt).T, fmt)
-    natural = HessianFactor(jnp.arange(k, dtype=jnp.int32), *_factor(hr, 0.01), 32, 32)
+    natural = HessianFactor(jnp.arange(k, dtype=jnp.int32),
+                            *_factor(hr, np.arange(k), 0.01), 32, 32)
     err = [float(np.sum((x @ (np.asarray(effective_weight(quantize_linear(w, fmt, hessian=f)))
                               - np.asarray(w))) ** 2)) for f in (natural, act)]
     assert err[1] < 0.8 * err[0], err

@@ -461,7 +461,10 @@ class HessianFactor:
 
     # Rows are in quantization order: row i of the three arrays below is stored row order[i].
     order: jax.Array  # [K_pad] int32 permutation of the stored rows, whole groups at a time
-    upper: jax.Array  # [K_pad, K_pad] f32 upper-triangular U with Uᵀ U = (H + λI)⁻¹
+    # [K_pad, K_pad] f32 Mᵀ, M = L⁻¹ for L the Cholesky factor of J (H + λI) J (J reverses the
+    # row order): GPTQ's upper U with Uᵀ U = (H + λI)⁻¹ is J M J, read a block of rows at a time
+    # (`_upper_rows`). Kept in this form, it is computed in the buffer H is gathered into.
+    inverse: jax.Array
     importance: jax.Array  # [K_pad] f32 diagonal of H + λI (weights of the scale search)
     dead: jax.Array  # [K_pad] bool: inputs that are always zero (their weights are dropped)
     group: int = struct.field(pytree_node=False, default=64)
@@ -477,17 +480,38 @@ def _act_order(diag: jax.Array, group: int) -> jax.Array:
     return (groups[:, None] * group + within).reshape(-1).astype(jnp.int32)
 
 
-@jax.jit
-def _factor(hessian: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    k = hessian.shape[0]
-    diag = jnp.diag(hessian)
+def _factor(hessian: jax.Array | np.ndarray, order: jax.Array | np.ndarray, damp: float,
+            delete: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """H f32 [K, K] (stored basis) and the quantization order int [K] -> `HessianFactor`'s
+    inverse, importance and dead. H's rows and columns are gathered, in reversed order, into one
+    host [K, K] buffer, which LAPACK factors (potrf) and inverts (trtri) in place: one [K, K]
+    buffer beside H (XLA held three: layout copies around its LAPACK calls). `delete`: H (a
+    jax array) is deleted once gathered."""
+    from scipy.linalg import lapack
+
+    h = np.asarray(hessian)
+    k = h.shape[0]
+    rev = np.asarray(order)[::-1]
+    diag = np.diag(h)[rev]
     dead = diag <= 0
-    hessian = hessian + jnp.diag(jnp.where(dead, 1.0, 0.0))
-    hessian = hessian + damp * jnp.mean(jnp.diag(hessian)) * jnp.eye(k)
-    # Upper U with Uᵀ U = H⁻¹ from one Cholesky of the index-reversed H: U = J L⁻¹ J.
-    low = jnp.linalg.cholesky(hessian[::-1, ::-1])
-    upper = jax.scipy.linalg.solve_triangular(low, jnp.eye(k), lower=True)[::-1, ::-1]
-    return upper, jnp.diag(hessian), dead
+    diag = diag + dead.astype(np.float32)
+    diag = diag + np.float32(damp) * np.mean(diag, dtype=np.float32)
+    m = host_buffer((k, k), np.float32)
+    for a in range(0, k, 512):  # a block of rows at a time: no [K, K] temporary
+        m[a:a + 512] = h[rev[a:a + 512]][:, rev]
+    del h
+    if delete:
+        hessian.delete()
+    m[np.arange(k), np.arange(k)] = diag
+    # m is symmetric, so m.T (Fortran order, the same buffer) is the matrix LAPACK factors
+    low, info = lapack.spotrf(m.T, lower=1, overwrite_a=1, clean=1)
+    if info == 0:
+        low, info = lapack.strtri(low, lower=1, overwrite_c=1)
+    if info != 0 or not np.shares_memory(low, m):
+        raise TqjaxError(f"cannot factor the calibration Hessian ({k} inputs; LAPACK info "
+                         f"{info}): raise the dampening")
+    del low  # m's bytes, read in C order: Mᵀ
+    return jax.device_put(m), jnp.asarray(diag[::-1]), jnp.asarray(dead[::-1])
 
 
 def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
@@ -495,33 +519,35 @@ def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
     """Prepare H = Σ x xᵀ f32 [K, K] (a layer's calibration inputs) for GPTQ on `fmt`: moved to
     the stored basis (padded, rotated per group for "tq"), put in act-order, dampened by
     `damp`·mean(diag H) and factored. Reusable for every weight with the same input and basis
-    (q/k/v, gate/up). `consume`: H's buffer is reused for the factor (H is deleted, unless
-    the basis pads K; for a Gram needed in one basis only): one [K, K] buffer less at the
-    peak."""
+    (q/k/v, gate/up). `consume`: H is deleted as soon as it has been read (for a Gram needed
+    in one basis only): at most two [K, K] buffers at once, H's included."""
     k = hessian.shape[0]
     if hessian.shape != (k, k):
         raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
-    # (a padded basis cannot take H's buffer: H is then left as it is)
-    consume = consume and fmt.padded_in(k) == k
-    prepare = _prepare_hessian_consuming if consume else _prepare_hessian
-    order, upper, importance, dead = prepare(hessian, fmt, seed, damp)
-    return HessianFactor(order, upper, importance, dead, fmt.group_size(k), fmt.rotation_block)
+    hr = hessian
+    if fmt.rotation_block or fmt.padded_in(k) != k:  # a copy in the stored basis
+        donate = consume and fmt.padded_in(k) == k  # (a padded copy cannot take H's buffer)
+        hr = (_stored_hessian_consuming if donate else _stored_hessian)(hessian, fmt, seed)
+        if consume and not donate:
+            hessian.delete()
+    order = _act_order(jnp.diag(hr), fmt.group_size(k))
+    inverse, importance, dead = _factor(hr, order, damp, delete=consume or hr is not hessian)
+    return HessianFactor(order, inverse, importance, dead, fmt.group_size(k), fmt.rotation_block)
 
 
-def _prepare(hessian: jax.Array, fmt: WeightFormat, seed: int, damp: float
-             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`hessian_factor`'s arrays, in one computation: XLA reuses the [K, K] buffers of the
-    steps (eagerly, each step held its own: Qwen2.5-0.5B's down projection, K = 4864, 90 MiB
-    each, peaked 410 MB over its input; jitted, 2 buffers beside the input and the factor)."""
-    hr = to_stored_basis(to_stored_basis(hessian, fmt, seed).T, fmt, seed)
-    order = _act_order(jnp.diag(hr), fmt.group_size(hessian.shape[0]))
-    upper, importance, dead = _factor(hr[order][:, order], damp)
-    return order, upper, importance, dead
+def _stored(hessian: jax.Array, fmt: WeightFormat, seed: int) -> jax.Array:
+    """H f32 [K, K] in the stored basis: zero-padded, then Π H Πᵀ per rotation block (H
+    symmetric: the rows of (H Πᵀ)ᵀ rotated, no moved axes)."""
+    k, b = hessian.shape[0], fmt.rotation_block
+    hr = jnp.pad(hessian, [(0, fmt.padded_in(k) - k)] * 2)
+    if b:
+        rot = format_rotation(b, seed)
+        hr = _per_block(rotate, _per_block(rotate, hr, rot).T, rot)
+    return hr
 
 
-_prepare_hessian = jax.jit(_prepare, static_argnames=("fmt", "seed"))
-_prepare_hessian_consuming = jax.jit(_prepare, static_argnames=("fmt", "seed"),
-                                     donate_argnums=(0,))
+_stored_hessian = jax.jit(_stored, static_argnames=("fmt", "seed"))
+_stored_hessian_consuming = jax.jit(_stored, static_argnames=("fmt", "seed"), donate_argnums=(0,))
 
 
 GPTQ_BLOCK = 128  # rows whose errors are pushed on row by row (GPTQ's lazy batch)
@@ -530,6 +556,13 @@ GPTQ_BLOCK = 128  # rows whose errors are pushed on row by row (GPTQ's lazy batc
 def _row_block(group: int) -> int:
     """Rows per GPTQ batch: the largest divisor of `group` up to GPTQ_BLOCK."""
     return max(d for d in range(1, min(group, GPTQ_BLOCK) + 1) if group % d == 0)
+
+
+def _upper_rows(inverse: jax.Array, first: jax.Array, rows: int) -> jax.Array:
+    """Rows [first, first + rows) of GPTQ's upper U = J M J from `HessianFactor.inverse` (Mᵀ)
+    -> f32 [rows, K]: columns [K - first - rows, K - first) of Mᵀ, transposed and reversed."""
+    k = inverse.shape[0]
+    return jax.lax.dynamic_slice(inverse, (0, k - first - rows), (k, rows))[::-1, ::-1].T
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
@@ -543,7 +576,7 @@ def _gptq(w: jax.Array, factor: HessianFactor,
     per-channel group, K rows, no longer costs K x K x N in its row loop)."""
     lut, kind = format_lut(fmt), fmt.kind  # a constant of the trace
     k, n = w.shape
-    group, u = factor.group, factor.upper
+    group = factor.group
     block = _row_block(group)
     w = jnp.where(factor.dead[:, None], 0.0, w[factor.order])
     rows = jnp.arange(block)
@@ -557,7 +590,7 @@ def _gptq(w: jax.Array, factor: HessianFactor,
         def batch(w: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:
             first = start + j * block
             wb = jax.lax.dynamic_slice(w, (first, 0), (block, n))
-            ub = jax.lax.dynamic_slice(u, (first, 0), (block, k))
+            ub = _upper_rows(factor.inverse, first, block)
             uu = jax.lax.dynamic_slice(ub, (0, first), (block, block))
 
             def row(i: jax.Array, state: tuple) -> tuple:
@@ -592,6 +625,20 @@ def to_stored_basis(x: jax.Array, fmt: WeightFormat, seed: int = 0) -> jax.Array
     if not b:
         return x
     return jnp.moveaxis(_per_block(rotate, jnp.moveaxis(x, 0, -1), format_rotation(b, seed)), -1, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "seed"))
+def _quantize_block(w: jax.Array, hessian: HessianFactor | None, fmt: WeightFormat, seed: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Columns w [K, n] of a dense weight -> their packed codes uint8 [n, K_pad·bits/8], scales
+    and offsets [n, K_pad/group] (`SCALE_DTYPE`; offsets None unless affine): moved to the stored
+    basis, rounded to nearest (`hessian` None) or GPTQ'd, and packed, in one program per shape
+    (eagerly, each step compiled its own small programs: ~70 for one model's shapes)."""
+    wc = to_stored_basis(w, fmt, seed)  # [K_pad, n]
+    codes, s, o = (_round_to_nearest(wc, jnp.ones(wc.shape[0]), fmt, fmt.group_size(w.shape[0]))
+                   if hessian is None else _gptq(wc, hessian, fmt))
+    return (pack_bits(codes.T, fmt.bits), s.T.astype(SCALE_DTYPE),
+            None if o is None else o.T.astype(SCALE_DTYPE))
 
 
 # Output columns per quantization call: the jitted search's time grows far faster than the
@@ -629,23 +676,18 @@ def quantize_linear(w: jax.Array | Columns, fmt: WeightFormat, seed: int = 0,
     if fmt.padded_in(k) * fmt.bits % 8:
         raise TqjaxError(f"{fmt.name}: {k} input rows of {fmt.bits} bits do not fill bytes")
     kp = fmt.padded_in(k)
-    if hessian is not None and (hessian.upper.shape[0], hessian.group, hessian.rotation) != (
+    if hessian is not None and (hessian.inverse.shape[0], hessian.group, hessian.rotation) != (
             kp, g, fmt.rotation_block):
         raise TqjaxError(f"the Hessian factor was prepared for another basis than {fmt.name} "
                          f"with {k} inputs")
     lut = format_lut(fmt)
     parts: list[tuple[jax.Array, ...]] = []  # (inside a jit: the blocks are concatenated)
     out: tuple[np.ndarray | None, ...] = ()
-    ones = jnp.ones(kp)
     for a in range(0, n, QUANTIZE_COLUMNS):
         b = min(n, a + QUANTIZE_COLUMNS)
         block = w.read(a, b) if isinstance(w, Columns) else w[:, a:b]
-        wc = to_stored_basis(jnp.asarray(block), fmt, seed)  # [K_pad, b - a]
-        codes, s, o = (_round_to_nearest(wc, ones, fmt, g) if hessian is None
-                       else _gptq(wc, hessian, fmt))
-        part = (pack_bits(codes.T, fmt.bits), s.T.astype(SCALE_DTYPE),
-                None if o is None else o.T.astype(SCALE_DTYPE))
-        if parts or isinstance(codes, jax.core.Tracer):
+        part = _quantize_block(jnp.asarray(block), hessian, fmt, seed)
+        if parts or isinstance(part[0], jax.core.Tracer):
             parts.append(part)
             continue
         if not out:  # the result's host buffers, filled block by block
@@ -655,7 +697,7 @@ def quantize_linear(w: jax.Array | Columns, fmt: WeightFormat, seed: int = 0,
         for buf, x in zip(out, part, strict=True):
             if buf is not None:
                 buf[a:b] = np.asarray(x)
-        del block, wc, codes, s, o, part
+        del block, part
     if parts:
         packed, scale, offset = (None if parts[0][i] is None else
                                  jnp.concatenate([p[i] for p in parts]) for i in range(3))
