@@ -339,11 +339,21 @@ def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypa
             t.shape, lambda rows, name=name, read=read: events.append("read " + name) or read(rows),
             t.ggml_type, t.raw)
     real = mq.quantize_linear
-    monkeypatch.setattr(mq, "quantize_linear",
-                        lambda w, *a, **k: events.append("quantize") or real(w, *a, **k))
+    alive_at_quantize: list[int] = []
+
+    def quantize_linear(w, *a, **k):
+        gc.collect()
+        alive_at_quantize.append(sum(r() is not None for r in dense[-1]) if dense else -1)
+        events.append("quantize")
+        return real(w, *a, **k)
+
+    monkeypatch.setattr(mq, "quantize_linear", quantize_linear)
     cal = np.arange(24, dtype=np.int32)[None] % ckpt.config.vocab_size
     mq.quantize_params(ckpt, ckpt.config, mq.WeightSpec("tq4"), cal if calibrated else None)
     assert alive_at_read == [0] * ckpt.config.num_layers
+    n = ckpt.config.num_layers
+    per_layer = np.array(alive_at_quantize[:7 * n]).reshape(n, 7)  # q k v | o | gate up | down
+    assert per_layer.tolist() == [[7, 7, 7, 4, 3, 3, 1] if calibrated else [7] * 7] * n
     layer_reads = [e for e in events if e.startswith("read model.layers.")]
     linears = [e for e in layer_reads if e.endswith("proj.weight")]
     assert len(linears) == len(set(linears)) == 7 * ckpt.config.num_layers

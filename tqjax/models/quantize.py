@@ -222,22 +222,23 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
 
     layers = []
     for i in range(config.num_layers):
-        dense = params.layers[i] if dense_layer is None else dense_layer(i)
-        hn = [_norm(xi, dense.attn_norm, eps) for xi in x]
-        lp = stage(dense, i, ("wq", "wk", "wv"), hn)
+        # lp: layer i, each dense linear replaced (and its dense array dropped) in turn
+        lp = params.layers[i] if dense_layer is None else dense_layer(i)
+        hn = [_norm(xi, lp.attn_norm, eps) for xi in x]
+        lp = stage(lp, i, ("wq", "wk", "wv"), hn)
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
         lp = stage(lp, i, ("wo",), heads)
         x = add(x, heads, lp.wo)
-        hn = [_norm(xi, dense.mlp_norm, eps) for xi in x]
+        hn = [_norm(xi, lp.mlp_norm, eps) for xi in x]
         lp = stage(lp, i, ("w_gate", "w_up"), hn)
-        # the dense layer with only the quantized gate/up swapped in: its compilation is keyed
-        # on those two formats, not on every other field's (mixed: one per layer otherwise)
-        mlp_in = dense.replace(w_gate=lp.w_gate, w_up=lp.w_up)
+        # only the quantized gate/up: the compilation is keyed on those two formats, not on
+        # every other field's (mixed: one per layer otherwise)
+        mlp_in = lp.replace(**dict.fromkeys(("wq", "wk", "wv", "wo", "w_down")))
         gated = [_gated(mlp_in, h) for h in hn]
         lp = stage(lp, i, ("w_down",), gated)
         x = add(x, gated, lp.w_down)
         layers.append(lp)
-        del dense, mlp_in, hn, heads, gated  # before the next layer is read
+        del lp, mlp_in, hn, heads, gated  # before the next layer is read
     params = params.replace(layers=layers)
     hidden = [_norm(xi, params.final_norm, eps) for xi in x]
     if head and params.lm_head is not None:
