@@ -272,7 +272,8 @@ def test_quantized_checkpoint_stream_equals_eager(tmp_path, dtype):
 # ---------------------------------------------------------------- quantized as read
 
 
-STREAM_SPECS = [("tq4", True, True), ("int4-affine", False, False), ("int8", True, False)]
+STREAM_SPECS = [("tq4", True, True), ("int4-affine", False, False), ("int8", True, False),
+                ("mixed", True, True), ("mixed", False, False)]
 
 
 @pytest.mark.parametrize("method,emb,calibrated,dtype", [
@@ -293,7 +294,7 @@ def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, em
         path = tmp_path / "model.gguf"
         write_gguf(source.removeprefix("gguf:"), path)
     config, dense, _ = load_checkpoint(path, dtype)
-    spec = WeightSpec(method, quantize_embeddings=emb)
+    spec = WeightSpec(method, quantize_embeddings=emb, bpw=4.25 if method == "mixed" else None)
     cal = (np.random.default_rng(1).integers(0, config.vocab_size, (2, 24)).astype(np.int32)
            if calibrated else None)
     want = quantize_params(dense, config, spec, cal)
@@ -309,10 +310,46 @@ def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, em
 
 
 @pytest.mark.parametrize("calibrated", [True, False])
+def test_mixed_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypatch):
+    """"mixed" reads the checkpoint a layer at a time too: the Fisher pass (a forward and a
+    backward sweep), the measuring and the quantizing each read every layer once, and no
+    dense layer is alive (weak references) when the next one is read."""
+    import gc
+    import weakref
+
+    from tqjax.models import quantize as mq
+
+    ckpt = loading.open_checkpoint(tiny_gguf[0])
+    refs: list[weakref.ref] = []
+    alive_at_read: list[int] = []
+    reads: list[int] = []
+    layer = ckpt.layer
+
+    def read_layer(i, placed=None):
+        gc.collect()
+        alive_at_read.append(sum(r() is not None for r in refs))
+        reads.append(i)
+        lp = layer(i, placed)
+        refs.extend(weakref.ref(getattr(lp, f)) for f in mq.LINEARS)
+        return lp
+
+    monkeypatch.setattr(ckpt, "layer", read_layer)
+    cal = np.arange(24, dtype=np.int32)[None] % ckpt.config.vocab_size
+    spec = mq.WeightSpec("mixed", bpw=4.25)
+    q = mq.quantize_params(ckpt, ckpt.config, spec, cal if calibrated else None)
+    n = ckpt.config.num_layers
+    sweeps = [list(range(n)), list(range(n))[::-1]] if calibrated else []
+    assert reads == [i for sweep in [*sweeps, range(n), range(n)] for i in sweep]
+    assert alive_at_read == [0] * len(reads)
+    assert isinstance(q.layers[-1].w_down, mq.QuantizedLinear)
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
 def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypatch):
     """Reading and quantizing interleave layer by layer: no tensor of layer i + 1 is read
     before every linear of layer i is quantized, each linear is read once, and layer i's
-    dense arrays are gone (weak references) when layer i + 1 is read."""
+    dense arrays are gone (weak references) when layer i + 1 is read; calibrated, each dense
+    linear goes as soon as its stage is quantized (only w_down's is alive at its turn)."""
     import gc
     import weakref
 

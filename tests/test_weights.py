@@ -14,6 +14,7 @@ import tqjax
 from tqjax.decode.generate import new_cache
 from tqjax.errors import TqjaxError
 from tqjax.fetch import PYTHON_STDLIB_MODULES
+from tqjax.kv.cache import make_cache
 from tqjax.models import checkpoint as ckpt
 from tqjax.models.calibration import (
     CALIBRATION_CHARS,
@@ -459,6 +460,48 @@ def test_calibrated_gptq_with_head(tiny, tiny_ref):
         quantize_params(q, tiny.config, WeightSpec("int8"))
     with pytest.raises(TqjaxError, match="out of range"):
         quantize_params(tiny.params, tiny.config, WeightSpec("int8"), cal + 1000)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fisher_streamed_equals_the_whole_model_gradient(tiny, tied, monkeypatch):
+    """`fisher_diagonal` backpropagates a layer at a time (two sweeps, windows in chunks, the
+    head by blocks of columns): the same Fisher as jax.grad of the whole forward pass with the
+    same sampled labels (Gumbel-max, the noise drawn per head block)."""
+    from tqjax.models import quantize as mq
+    from tqjax.models.transformer import forward
+    from tqjax.quant.mixed import group_sums
+
+    monkeypatch.setattr(mq, "HEAD_COLUMNS", 100)  # vocabulary 256: blocks 100, 100, 56
+    params, config = tiny.params, tiny.config
+    if tied:
+        params = params.replace(lm_head=None)
+        config = dataclasses.replace(config, tie_embeddings=True)
+    cal = np.random.default_rng(4).integers(0, 256, (3, 20)).astype(np.int32)
+    per_window = config.num_layers * 20 * config.hidden_size * 4
+    monkeypatch.setattr(mq, "FISHER_SAVED_BYTES", 2 * per_window)  # chunks of 2 windows, 1
+    paths = linear_paths(params, quantize_head=False)
+    got = fisher_diagonal(params, config, paths, cal, 8, seed=3)
+    want = {p: 0.0 for p in paths}
+    for i, w in enumerate(cal):
+        key = jax.random.PRNGKey(3 * 7919 + i)
+        cache = make_cache(tqjax.CacheSpec(), batch=1, slots=20, num_layers=config.num_layers,
+                           kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+        logits = forward(params, config, jnp.asarray(w)[None], jnp.zeros(1, jnp.int32), cache)[0][0]
+        noise = jnp.concatenate([jax.random.gumbel(jax.random.fold_in(key, a),
+                                                   (20, min(256, a + 100) - a))
+                                 for a in range(0, 256, 100)], axis=1)
+        labels = jnp.argmax(logits + noise, axis=-1)
+
+        def loglik(lin, w=w, labels=labels, cache=cache):
+            out = forward(mq.set_paths(params, lin), config, jnp.asarray(w)[None],
+                          jnp.zeros(1, jnp.int32), cache)[0][0]
+            return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(out), labels[:, None], 1))
+
+        grads = jax.grad(loglik)({p: get_path(params, p) for p in paths})
+        want = {p: want[p] + group_sums(grads[p] ** 2, 8) / len(cal) for p in paths}
+    for p in paths:
+        np.testing.assert_allclose(got[p], want[p], rtol=2e-3, atol=1e-6 * float(want[p].max()),
+                                   err_msg=p)
 
 
 def test_fisher_mixed_allocation(tiny):

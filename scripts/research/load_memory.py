@@ -8,7 +8,8 @@ Each (model, mode) runs in a fresh subprocess that imports jax and tqjax, runs o
   params     resident parameter bytes (every array leaf of model.params counted once)
   ratio      (peak_hwm - base_hwm) / params  (the issue asks for <= 1.3)
 Modes: float32, bfloat16, float16 (dtype), gguf (`weights="gguf"`, blocks kept), int8, tq4, ...
-(`weights=`, quantized on the fly; "tq4+emb": with `quantize_embeddings`), and ckpt:PATH (a
+(`weights=`, quantized on the fly; "tq4+emb": with `quantize_embeddings`; "mixed-4.25": mixed
+at 4.25 bpw), and ckpt:PATH (a
 saved quantized checkpoint; the model is then PATH). `--generate N` also runs an N-token greedy
 generate after the load.
 
@@ -58,8 +59,11 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
         model = mode.removeprefix("ckpt:")
     elif mode in ("float32", "bfloat16", "float16"):
         kwargs["dtype"] = mode
-    else:  # a weights method, "+emb": with quantize_embeddings
-        kwargs["weights"] = mode.removesuffix("+emb")
+    else:  # a weights method, "+emb": with quantize_embeddings; "mixed-4.25": mixed at 4.25 bpw
+        method = mode.removesuffix("+emb")
+        if method.startswith("mixed-"):
+            method, kwargs["bpw"] = "mixed", float(method.removeprefix("mixed-"))
+        kwargs["weights"] = method
         kwargs["quantize_embeddings"] = mode.endswith("+emb")
     t0 = time.perf_counter()
     m = tqjax.load(model, **kwargs)

@@ -31,8 +31,8 @@ from tqjax.models.transformer import (
     Params,
     attention_heads,
     embed_tokens,
-    forward,
     gated_activation,
+    layer_output,
     rms_norm,
 )
 from tqjax.quant.mixed import (
@@ -49,6 +49,7 @@ from tqjax.quant.weights import (
     HessianFactor,
     QuantizedLinear,
     WeightFormat,
+    gather_columns,
     hessian_factor,
     linear,
     quantize_linear,
@@ -249,67 +250,192 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
 # ---------------------------------------------------------------- Fisher information
 
 
-@functools.partial(jax.jit, static_argnums=(2, 5))
-def _fisher_window(linears: dict[str, jax.Array], params: Params, config: ModelConfig,
-                   tokens: jax.Array, key: jax.Array, group: int) -> dict[str, jax.Array]:
-    """Σ (∂ log p(y)/∂w)² over groups of `group` input rows for one window, labels y sampled
-    from the model -> {path: f32 [ceil(K/group), N]}."""
-    cache = make_cache(CacheSpec(), batch=1, slots=tokens.shape[1], num_layers=config.num_layers,
-                       kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+HEAD_COLUMNS = 8192  # output-head columns (vocabulary entries) per block of the Fisher pass
+FISHER_SAVED_BYTES = 256 << 20  # layer inputs kept between the two sweeps, at most (about)
 
-    def log_likelihood(lin: dict[str, jax.Array]) -> jax.Array:
-        logits, _ = forward(set_paths(params, lin), config, tokens, jnp.zeros(1, jnp.int32), cache)
-        logp = jax.nn.log_softmax(logits[0], axis=-1)
-        y = jax.random.categorical(key, jax.lax.stop_gradient(logp))
-        return jnp.sum(jnp.take_along_axis(logp, y[:, None], axis=-1))
 
-    grads = jax.grad(log_likelihood)(linears)
-    return {p: group_sums(g.astype(jnp.float32) ** 2, group) for p, g in grads.items()}
+def head_columns(params: Params) -> Columns:
+    """The output head as [D, V] `Columns` (f32 blocks): an untied head (dense, or `Columns`
+    of a checkpoint), or the tied embedding (dense [V, D] or quantized embedᵀ)."""
+    head = params.lm_head
+    if isinstance(head, Columns):
+        return head
+    if head is not None and not isinstance(head, QuantizedLinear):
+        return Columns(tuple(head.shape), lambda a, b: head[:, a:b].astype(jnp.float32))
+    if head is None and isinstance(params.embed, QuantizedLinear):
+        embed = params.embed
+        return Columns((embed.in_features, embed.out_features), lambda a, b: gather_columns(
+            embed, jnp.arange(a, b)).T.astype(jnp.float32))
+    if head is None and not isinstance(params.embed, (QuantizedLinear, Columns)):
+        embed = params.embed
+        return Columns(tuple(embed.shape[::-1]), lambda a, b: embed[a:b].T.astype(jnp.float32))
+    raise TqjaxError("the Fisher pass needs a dense or 8-bit head")
+
+
+def _layer(lp: LayerParams, config: ModelConfig, x: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """One decoder layer on x [B, T, D] from position 0 (`transformer.forward`'s math)."""
+    heads = _heads(lp, config, rms_norm(x, lp.attn_norm, config.rms_eps), inv_freq)
+    return layer_output(lp, config, x, heads)
+
+
+_layer_forward = jax.jit(_layer, static_argnums=(1,))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 5))
+def _layer_fisher(lp: LayerParams, config: ModelConfig, x: jax.Array, g: jax.Array,
+                  inv_freq: jax.Array, group: int) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Layer input x [1, T, D], cotangent g of its output -> ({field: (∂/∂w)² summed over
+    groups of `group` input rows, f32 [ceil(K/group), N]}, the cotangent of x)."""
+    def run(lin: dict[str, Any], x: jax.Array) -> jax.Array:
+        return _layer(lp.replace(**lin), config, x, inv_freq)
+
+    _, vjp = jax.vjp(run, {f: getattr(lp, f) for f in LINEARS}, x)
+    grads, gx = vjp(g)
+    return {f: group_sums(v.astype(jnp.float32) ** 2, group) for f, v in grads.items()}, gx
+
+
+@jax.jit
+def _head_block(hn: jax.Array, block: jax.Array, key: jax.Array, first: jax.Array,
+                state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """One block of head columns [D, n] (vocabulary ids first..first + n) into the running
+    (max, Σ exp, best Gumbel score, label) per token: a log-sum-exp and a Gumbel-max sample
+    of the next-token distribution, one block at a time."""
+    m, s, best, label = state
+    logits = jnp.dot(hn, block.astype(hn.dtype), preferred_element_type=jnp.float32)  # [T, n]
+    top = jnp.maximum(m, jnp.max(logits, axis=-1))
+    s = s * jnp.exp(m - top) + jnp.sum(jnp.exp(logits - top[:, None]), axis=-1)
+    z = logits + jax.random.gumbel(jax.random.fold_in(key, first), logits.shape)
+    better = jnp.max(z, axis=-1) > best
+    label = jnp.where(better, first + jnp.argmax(z, axis=-1), label)
+    return top, s, jnp.where(better, jnp.max(z, axis=-1), best), label
+
+
+@jax.jit
+def _head_grad(hn: jax.Array, block: jax.Array, lse: jax.Array, label: jax.Array,
+               first: jax.Array, g: jax.Array) -> jax.Array:
+    """g [T, D] plus this block's part of ∂ log p(label)/∂hn = head[:, label] − E_p[head]."""
+    logits = jnp.dot(hn, block.astype(hn.dtype), preferred_element_type=jnp.float32)
+    ids = first + jnp.arange(block.shape[1])
+    d = (ids[None, :] == label[:, None]).astype(jnp.float32) - jnp.exp(logits - lse[:, None])
+    return g + d @ block.astype(jnp.float32).T
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _final_norm_vjp(x: jax.Array, weight: jax.Array, eps: float, g: jax.Array) -> jax.Array:
+    return jax.vjp(lambda x: rms_norm(x, weight, eps), x)[1](g.astype(x.dtype))[0]
+
+
+def _head_cotangent(params: Params, config: ModelConfig, head: Columns, x: jax.Array,
+                    key: jax.Array) -> jax.Array:
+    """x [1, T, D] (the last layer's output) -> ∂ Σ_t log p(y_t)/∂x, labels y sampled from the
+    model's own next-token distribution (Gumbel-max over `HEAD_COLUMNS` blocks, drawn with
+    `key`); the head is read a block at a time, twice, and no [T, V] array is made."""
+    hn = _norm(x, params.final_norm, config.rms_eps)[0]  # [T, D]
+    t, (_, v) = hn.shape[0], head.shape
+    state = (jnp.full(t, -jnp.inf), jnp.zeros(t), jnp.full(t, -jnp.inf), jnp.zeros(t, jnp.int32))
+    for a in range(0, v, HEAD_COLUMNS):
+        state = _head_block(hn, jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS))), key,
+                            jnp.int32(a), state)
+    lse, label = state[0] + jnp.log(state[1]), state[3]
+    g = jnp.zeros(hn.shape, jnp.float32)
+    for a in range(0, v, HEAD_COLUMNS):
+        g = _head_grad(hn, jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS))), lse, label,
+                       jnp.int32(a), g)
+    return _final_norm_vjp(x, params.final_norm, config.rms_eps, g[None])
 
 
 def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windows: np.ndarray,
-                    group: int, seed: int = 0) -> dict[str, jax.Array]:
-    """The diagonal Fisher of each linear's weights summed over groups of `group` input rows,
-    f32 [ceil(K/group), N], averaged over calibration windows int32 [W, T]: one sampled label
-    per position (labels drawn independently, so cross-position terms vanish in expectation)."""
-    linears = {p: get_path(params, p) for p in paths}
-    total = {p: jnp.zeros(group_sums(w, group).shape, jnp.float32) for p, w in linears.items()}
-    for i, w in enumerate(windows):
-        key = jax.random.PRNGKey(seed * 7919 + i)
-        out = _fisher_window(linears, params, config, jnp.asarray(w, jnp.int32)[None], key, group)
-        total = {p: total[p] + out[p] / len(windows) for p in paths}
-    return total
+                    group: int, seed: int = 0,
+                    layer: Callable[[int], LayerParams] | None = None) -> dict[str, jax.Array]:
+    """The diagonal Fisher of each decoder linear's weights summed over groups of `group` input
+    rows, f32 [ceil(K/group), N], averaged over calibration windows int32 [W, T]: one label per
+    position sampled from the model (independent draws, so cross-position terms vanish in
+    expectation), the gradient of Σ log p(labels) per window.
+
+    Backpropagation a layer at a time: a forward sweep keeps each layer's input, the head
+    gives the cotangent, and a backward sweep reads each layer again (`layer(i)`, default
+    `params.layers[i]`: a checkpoint is read, never held whole), in chunks of windows whose
+    kept inputs fit `FISHER_SAVED_BYTES`."""
+    layer = params.layers.__getitem__ if layer is None else layer
+    head, inv_freq = head_columns(params), params.rope_inv_freq
+    dtype = params.final_norm.dtype
+    n, t = windows.shape
+    per_window = config.num_layers * t * config.hidden_size * 4
+    chunk = max(1, FISHER_SAVED_BYTES // per_window)
+    total: dict[str, jax.Array] = {}
+    for c in range(0, n, chunk):
+        xs = [_embed(params.embed, jnp.asarray(w, jnp.int32)[None]).astype(dtype)
+              for w in windows[c:c + chunk]]
+        inputs = []  # [layer][window] inputs [1, T, D]
+        for i in range(config.num_layers):
+            lp = layer(i)
+            inputs.append(xs)
+            xs = [_layer_forward(lp, config, x, inv_freq) for x in xs]
+            del lp
+        gs = [_head_cotangent(params, config, head, x, jax.random.PRNGKey(seed * 7919 + c + j))
+              for j, x in enumerate(xs)]
+        del xs
+        for i in reversed(range(config.num_layers)):
+            lp = layer(i)
+            for j, x in enumerate(inputs[i]):
+                parts, gs[j] = _layer_fisher(lp, config, x, gs[j], inv_freq, group)
+                for f, v in parts.items():
+                    key = f"layers.{i}.{f}"
+                    total[key] = total[key] + v / n if key in total else v / n
+            inputs[i] = None
+            del lp
+    return {p: total[p] for p in paths}
 
 
 # ---------------------------------------------------------------- quantizing a model
 
 
+def linear_shape(config: ModelConfig, field: str) -> tuple[int, int]:
+    """The [in, out] shape of a decoder linear (a `LINEARS` field) of `config`."""
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, f),
+            "w_up": (d, f), "w_down": (f, d)}[field]
+
+
 def weight_formats(params: Params, config: ModelConfig, spec: WeightSpec, paths: list[str],
-                   windows: np.ndarray | None = None, progress: bool = False
+                   windows: np.ndarray | None = None, progress: bool = False,
+                   layer: Callable[[int], LayerParams] | None = None
                    ) -> dict[str, WeightFormat]:
     """The format of every quantized linear: the method's, or the "mixed" allocation over
     `candidate_formats` (the spec's group size, or all of `mixed.GROUPS`), each tensor's loss
     in each format measured by `format_losses`: Fisher-weighted with calibration windows
     int32 [W, T], relative without. An untied "lm_head" among `paths` gets `EMBEDDING_FORMAT`,
-    and so does the embedding with `spec.quantize_embeddings`; both count in the mixed budget."""
+    and so does the embedding with `spec.quantize_embeddings`; both count in the mixed budget.
+    `layer(i)`: the dense decoder layer i (default `params.layers[i]`; a checkpoint's reader),
+    read a layer at a time by the Fisher pass and again by the measuring."""
     head = {"lm_head": EMBEDDING_FORMAT} if "lm_head" in paths else {}
     paths = [p for p in paths if p not in head]
     if spec.method != MIXED:
         return dict.fromkeys(paths, spec.base_format) | head
+    layer = params.layers.__getitem__ if layer is None else layer
     groups = (spec.group_size,) if spec.group_size else GROUPS
-    shapes = {p: tuple(get_path(params, p).shape) for p in paths}
-    fixed = {p: (tuple(get_path(params, p).shape), f) for p, f in head.items()}
-    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
-        fixed["embed"] = (tuple(params.embed.shape[::-1]), EMBEDDING_FORMAT)
+    shapes = {p: linear_shape(config, p.rsplit(".", 1)[1]) for p in paths}
+    table = (config.hidden_size, config.vocab_size)  # embedᵀ and the head, [D, V]
+    fixed = dict.fromkeys(head, (table, EMBEDDING_FORMAT))
+    if spec.quantize_embeddings:
+        fixed["embed"] = (table, EMBEDDING_FORMAT)
     check_budget(shapes, candidate_formats(groups), spec.bpw, fixed)  # before the measuring
     fisher: dict[str, jax.Array | None] = dict.fromkeys(paths)
     if windows is not None:  # shorter windows bound the memory of the backward pass (big vocab)
         pick = np.linspace(0, len(windows) - 1, min(len(windows), FISHER_WINDOWS)).astype(int)
         fisher |= fisher_diagonal(params, config, paths, windows[pick, :FISHER_TOKENS],
-                                  FISHER_ROWS, spec.seed)
-    losses = {p: format_losses(get_path(params, p), groups, fisher[p], spec.seed)
-              for p in tqdm(paths, desc="measuring formats", unit="tensor", leave=False,
-                            disable=None if progress else True)}
+                                  FISHER_ROWS, spec.seed, layer)
+    losses = {}
+    with tqdm(total=len(paths), desc="measuring formats", unit="tensor", leave=False,
+              disable=None if progress else True) as bar:
+        for i in range(config.num_layers):
+            lp = layer(i)
+            for f in LINEARS:
+                if (p := f"layers.{i}.{f}") in shapes:
+                    losses[p] = format_losses(getattr(lp, f), groups, fisher.pop(p), spec.seed)
+                    bar.update()
+            del lp
     return allocate(shapes, losses, spec.bpw, fixed) | head
 
 
@@ -334,16 +460,14 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
 
     params: dense params, or an opened `loading.Checkpoint`, which is then read as it is
     quantized (one decoder layer at a time; the embedding and head a block of columns at a
-    time), so the load never holds the dense model (except for "mixed", whose Fisher
-    information needs the whole model: it is read first).
+    time), so the load never holds the dense model ("mixed" reads each layer three times more
+    first: `fisher_diagonal`'s two sweeps and the measuring).
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     """
     if isinstance(params, Checkpoint) and params.blocks:
         raise TqjaxError("a checkpoint opened with its GGUF blocks kept is not quantized again")
-    if isinstance(params, Checkpoint) and spec.method == MIXED:
-        params = params.params()
     source = params if isinstance(params, Checkpoint) else None
     if source is None and any(isinstance(get_path(params, p), QuantizedLinear)
                               for p in linear_paths(params)):
@@ -357,10 +481,13 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
                         lm_head=source.columns("lm_head.weight") if untied else None,
                         rope_inv_freq=source.rope_inv_freq())
         paths = _linear_names(config.num_layers, untied and spec.quantize_embeddings)
-        formats = weight_formats(params, config, spec, paths)  # uniform: no weights read
     else:
         paths = linear_paths(params, spec.quantize_embeddings)
-        formats = weight_formats(params, config, spec, paths, windows, progress)
+    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
+        embed = params.embed if source else params.embed.T
+        params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
+    layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
+    formats = weight_formats(params, config, spec, paths, windows, progress, layer)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     gram: list[Any] = [None]  # the Gram the cached factors belong to
@@ -382,10 +509,6 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
-    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
-        embed = params.embed if source else params.embed.T
-        params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
-    layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
     with bar:
         if windows is None:  # data-free: each tensor on its own, one layer at a time
             layers = []
