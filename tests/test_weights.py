@@ -232,20 +232,30 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt):
 @pytest.mark.parametrize("fmt", [WeightFormat("sym", 8, 0), WeightFormat("tq", 4, 32)],
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("consume", [False, True])
-def test_hessian_factor_is_gptq_upper_cholesky_of_the_inverse(fmt, consume):
+@pytest.mark.parametrize("host", [False, True])
+def test_hessian_factor_is_gptq_upper_cholesky_of_the_inverse(fmt, consume, host):
     """The rows `_upper_rows` reads make an upper-triangular U with Uᵀ U = (H + λI)⁻¹ in
     quantization order (float64 reference), H in the stored basis (rotated for "tq"); dead
-    inputs get a unit diagonal; `consume` deletes H, otherwise H is left as it was."""
+    inputs get a unit diagonal. `consume` deletes a jax H and factors a host_buffer H in its
+    own buffer (the factor is then H's buffer); otherwise H is left as it was."""
+    from tqjax.host import host_buffer
     from tqjax.quant.weights import _upper_rows
 
     rng = np.random.default_rng(3)
     k = 96
     x = rng.standard_normal((512, k)) * np.linspace(0.2, 2, k)
     x[:, 5] = 0  # a dead input
-    h = jnp.asarray(x.T @ x, jnp.float32)
-    kept = np.asarray(h).copy()
+    kept = (x.T @ x).astype(np.float32)
+    if host:
+        h = host_buffer((k, k), np.float32)
+        h[:] = kept
+    else:
+        h = jnp.asarray(kept)
     factor = hessian_factor(h, fmt, damp=0.01, consume=consume)
-    assert h.is_deleted() == consume
+    if host and consume:
+        assert factor.inverse.unsafe_buffer_pointer() == h.ctypes.data
+    elif not host:
+        assert h.is_deleted() == consume
     if not consume:
         np.testing.assert_array_equal(np.asarray(h), kept)
     hr = np.asarray(to_stored_basis(to_stored_basis(jnp.asarray(kept), fmt).T, fmt), np.float64)
@@ -262,6 +272,21 @@ def test_hessian_factor_is_gptq_upper_cholesky_of_the_inverse(fmt, consume):
     assert np.all(np.tril(u, -1) == 0)
     np.testing.assert_allclose(u.T @ u, np.linalg.inv(hp), rtol=1e-3,
                                atol=1e-4 * np.abs(np.linalg.inv(hp)).max())
+
+
+def test_gram_is_summed_in_place_and_symmetric():
+    """`_gram` (BLAS syrk into a host buffer, one window at a time) is Σ xᵀx over every row of
+    every window, both triangles filled (float64 reference), in an aligned writable buffer."""
+    from tqjax.host import HOST_ALIGN
+    from tqjax.models.quantize import _gram
+
+    rng = np.random.default_rng(6)
+    acts = [rng.standard_normal((1, t, 1100)).astype(np.float32) for t in (7, 30)]
+    got = _gram([jnp.asarray(a) for a in acts])
+    want = sum(a[0].astype(np.float64).T @ a[0].astype(np.float64) for a in acts)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got, got.T)
+    assert got.flags.writeable and got.ctypes.data % HOST_ALIGN == 0
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat("sym", 4, 32), WeightFormat("affine", 4, 32)],
@@ -299,7 +324,7 @@ def test_gptq_act_order_beats_the_natural_order():
     act = hessian_factor(h, fmt)
     hr = to_stored_basis(to_stored_basis(h, fmt).T, fmt)
     natural = HessianFactor(jnp.arange(k, dtype=jnp.int32),
-                            *_factor(hr, np.arange(k), 0.01), 32, 32)
+                            *_factor(np.array(hr), np.arange(k), 0.01), 32, 32)
     err = [float(np.sum((x @ (np.asarray(effective_weight(quantize_linear(w, fmt, hessian=f)))
                               - np.asarray(w))) ** 2)) for f in (natural, act)]
     assert err[1] < 0.8 * err[0], err

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tqjax.errors import TqjaxError
+from tqjax.host import host_buffer
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -178,18 +179,25 @@ _gated = jax.jit(gated_activation)
 _embed = jax.jit(embed_tokens)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _add_gram(c: jax.Array, a: jax.Array) -> jax.Array:
-    rows = a.reshape(-1, a.shape[-1]).astype(jnp.float32)
-    return c + rows.T @ rows
+def _gram(acts: list[jax.Array]) -> np.ndarray:
+    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K], a `host_buffer` summed
+    in place by BLAS (syrk, one window at a time), which `hessian_factor(consume=True)` then
+    factors in place: the Gram and its factor are one [K, K] buffer."""
+    from scipy.linalg import blas
 
-
-def _gram(acts: list[jax.Array]) -> jax.Array:
-    """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K], one window at a time
-    (one jitted sum over all of them would hold a product per window)."""
-    c = jnp.zeros((acts[0].shape[-1],) * 2, jnp.float32)
+    k = acts[0].shape[-1]
+    c = host_buffer((k, k), np.float32)
+    c[:] = 0
     for a in acts:
-        c = _add_gram(c, a)
+        rows = np.asarray(a, np.float32).reshape(-1, k)  # [T, K]
+        # c.T (Fortran order) += rowsᵀ rows: the lower triangle in BLAS's terms, c's upper
+        out = blas.ssyrk(1.0, rows.T, beta=1.0, c=c.T, trans=0, lower=1, overwrite_c=1)
+        if not np.shares_memory(out, c):  # (BLAS worked on a copy)
+            c.T[...] = out
+    for a in range(0, k, 512):  # c's lower triangle from its upper, a block of rows at a time
+        b = min(k, a + 512)
+        c[a:b, :a] = c[:a, a:b].T
+        c[a:b, a:b] = np.triu(c[a:b, a:b]) + np.triu(c[a:b, a:b], 1).T
     return c
 
 

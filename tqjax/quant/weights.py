@@ -46,7 +46,7 @@ import numpy as np
 from flax import struct
 
 from tqjax.errors import TqjaxError
-from tqjax.host import host_buffer
+from tqjax.host import HOST_ALIGN, host_buffer
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
@@ -480,28 +480,46 @@ def _act_order(diag: jax.Array, group: int) -> jax.Array:
     return (groups[:, None] * group + within).reshape(-1).astype(jnp.int32)
 
 
-def _factor(hessian: jax.Array | np.ndarray, order: jax.Array | np.ndarray, damp: float,
-            delete: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """H f32 [K, K] (stored basis) and the quantization order int [K] -> `HessianFactor`'s
-    inverse, importance and dead. H's rows and columns are gathered, in reversed order, into one
-    host [K, K] buffer, which LAPACK factors (potrf) and inverts (trtri) in place: one [K, K]
-    buffer beside H (XLA held three: layout copies around its LAPACK calls). `delete`: H (a
-    jax array) is deleted once gathered."""
+def _permute_rows(m: np.ndarray, perm: np.ndarray) -> None:
+    """m[:] = m[perm] in place (a row at a time along each cycle of the permutation)."""
+    done = np.zeros(len(perm), bool)
+    for start in range(len(perm)):
+        if done[start] or perm[start] == start:
+            continue
+        first, i = m[start].copy(), start
+        while perm[i] != start:
+            m[i], done[i], i = m[perm[i]], True, perm[i]
+        m[i], done[i] = first, True
+
+
+def _rotate_both(m: np.ndarray, rot: Rotation) -> None:
+    """m [K, K] <- Π m Πᵀ in place, Π the per-block rotation of the stored basis."""
+    k, b = m.shape[0], rot.dim
+    pi = np.asarray(rotate(jnp.eye(b), rot)).T  # [b, b]: rotate(x) = x Πᵀ on rows
+    for a in range(0, k, b):
+        m[a:a + b] = pi @ m[a:a + b]
+    for a in range(0, k, 512):
+        rows = m[a:a + 512]
+        m[a:a + 512] = (rows.reshape(len(rows), k // b, b) @ pi.T).reshape(len(rows), k)
+
+
+def _factor(m: np.ndarray, order: jax.Array | np.ndarray, damp: float
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """H f32 [K, K] (stored basis; a writable host array, overwritten) and the quantization
+    order int [K] -> `HessianFactor`'s inverse, importance and dead, all in H's buffer: its rows
+    and columns permuted into reversed order in place, then factored (LAPACK potrf) and inverted
+    (trtri) in place. (XLA held three [K, K] buffers: layout copies around its LAPACK calls.)"""
     from scipy.linalg import lapack
 
-    h = np.asarray(hessian)
-    k = h.shape[0]
+    k = m.shape[0]
     rev = np.asarray(order)[::-1]
-    diag = np.diag(h)[rev]
+    diag = np.diag(m)[rev]
     dead = diag <= 0
     diag = diag + dead.astype(np.float32)
     diag = diag + np.float32(damp) * np.mean(diag, dtype=np.float32)
-    m = host_buffer((k, k), np.float32)
-    for a in range(0, k, 512):  # a block of rows at a time: no [K, K] temporary
-        m[a:a + 512] = h[rev[a:a + 512]][:, rev]
-    del h
-    if delete:
-        hessian.delete()
+    _permute_rows(m, rev)
+    for a in range(0, k, 512):  # then the columns, a block of rows at a time
+        m[a:a + 512] = m[a:a + 512][:, rev]
     m[np.arange(k), np.arange(k)] = diag
     # m is symmetric, so m.T (Fortran order, the same buffer) is the matrix LAPACK factors
     low, info = lapack.spotrf(m.T, lower=1, overwrite_a=1, clean=1)
@@ -514,40 +532,37 @@ def _factor(hessian: jax.Array | np.ndarray, order: jax.Array | np.ndarray, damp
     return jax.device_put(m), jnp.asarray(diag[::-1]), jnp.asarray(dead[::-1])
 
 
-def hessian_factor(hessian: jax.Array, fmt: WeightFormat, seed: int = 0,
+def _own_buffer(h: Any) -> bool:
+    """Whether h is a host f32 array `hessian_factor` can overwrite and hand to jax as it is."""
+    return (isinstance(h, np.ndarray) and h.dtype == np.float32 and h.flags.writeable
+            and h.flags.c_contiguous and h.ctypes.data % HOST_ALIGN == 0)
+
+
+def hessian_factor(hessian: jax.Array | np.ndarray, fmt: WeightFormat, seed: int = 0,
                    damp: float = 0.01, consume: bool = False) -> HessianFactor:
     """Prepare H = Σ x xᵀ f32 [K, K] (a layer's calibration inputs) for GPTQ on `fmt`: moved to
     the stored basis (padded, rotated per group for "tq"), put in act-order, dampened by
     `damp`·mean(diag H) and factored. Reusable for every weight with the same input and basis
-    (q/k/v, gate/up). `consume`: H is deleted as soon as it has been read (for a Gram needed
-    in one basis only): at most two [K, K] buffers at once, H's included."""
+    (q/k/v, gate/up). `consume` (for a Gram needed in one basis only): H is used up; a host
+    `host_buffer` H is factored in its own buffer (the factor then is H's only [K, K] buffer),
+    a jax H deleted once copied."""
     k = hessian.shape[0]
     if hessian.shape != (k, k):
         raise TqjaxError(f"a Hessian must be square, got shape {hessian.shape}")
-    hr = hessian
-    if fmt.rotation_block or fmt.padded_in(k) != k:  # a copy in the stored basis
-        donate = consume and fmt.padded_in(k) == k  # (a padded copy cannot take H's buffer)
-        hr = (_stored_hessian_consuming if donate else _stored_hessian)(hessian, fmt, seed)
-        if consume and not donate:
+    kp = fmt.padded_in(k)
+    if consume and kp == k and _own_buffer(hessian):
+        m = hessian
+    else:
+        m = host_buffer((kp, kp), np.float32)
+        m[k:], m[:k, k:] = 0, 0
+        m[:k, :k] = np.asarray(hessian)
+        if consume and isinstance(hessian, jax.Array):
             hessian.delete()
-    order = _act_order(jnp.diag(hr), fmt.group_size(k))
-    inverse, importance, dead = _factor(hr, order, damp, delete=consume or hr is not hessian)
+    if fmt.rotation_block:
+        _rotate_both(m, format_rotation(fmt.rotation_block, seed))
+    order = _act_order(jnp.asarray(np.diag(m)), fmt.group_size(k))
+    inverse, importance, dead = _factor(m, order, damp)
     return HessianFactor(order, inverse, importance, dead, fmt.group_size(k), fmt.rotation_block)
-
-
-def _stored(hessian: jax.Array, fmt: WeightFormat, seed: int) -> jax.Array:
-    """H f32 [K, K] in the stored basis: zero-padded, then Π H Πᵀ per rotation block (H
-    symmetric: the rows of (H Πᵀ)ᵀ rotated, no moved axes)."""
-    k, b = hessian.shape[0], fmt.rotation_block
-    hr = jnp.pad(hessian, [(0, fmt.padded_in(k) - k)] * 2)
-    if b:
-        rot = format_rotation(b, seed)
-        hr = _per_block(rotate, _per_block(rotate, hr, rot).T, rot)
-    return hr
-
-
-_stored_hessian = jax.jit(_stored, static_argnames=("fmt", "seed"))
-_stored_hessian_consuming = jax.jit(_stored, static_argnames=("fmt", "seed"), donate_argnums=(0,))
 
 
 GPTQ_BLOCK = 128  # rows whose errors are pushed on row by row (GPTQ's lazy batch)
