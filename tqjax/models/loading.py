@@ -314,9 +314,17 @@ class Checkpoint:
         if len(t.shape) != 2 or name in self.perms:
             raise TqjaxError(f"{name} cannot be read by columns")
 
-        def read(a: int, b: int) -> np.ndarray:  # [D, b - a]
-            rows = t.read(slice(a, b))
-            return (rows if self.dtype == jnp.float32 else rows.astype(self.dtype)).T
+        d = t.shape[1]
+        step = max(1, CHUNK_BYTES // (4 * d))
+
+        def read(a: int, b: int) -> np.ndarray:  # [D, b - a], decoded CHUNK_BYTES at a time
+            out = host_buffer((d, b - a), np.float32)
+            for c in range(a, b, step):
+                rows = t.read(slice(c, min(b, c + step)))
+                if self.dtype != jnp.float32:
+                    rows = rows.astype(self.dtype).astype(np.float32)
+                out[:, c - a:c - a + len(rows)] = rows.T
+            return out
 
         return Columns((t.shape[1], t.shape[0]), read)
 

@@ -657,8 +657,10 @@ def _quantize_block(w: jax.Array, hessian: HessianFactor | None, fmt: WeightForm
 
 
 # Output columns per quantization call: the jitted search's time grows far faster than the
-# weight past ~16k columns (tq8, 896 inputs: 16384 columns 3.7 s, 49152 columns 124 s)
-QUANTIZE_COLUMNS = 8192
+# weight past ~16k columns (tq8, 896 inputs: 16384 columns 3.7 s, 49152 columns 124 s), and a
+# block's temporaries are the quantizer's transient memory (tq8, 896 inputs, 4096 columns:
+# 32 MB with GPTQ, 59 MB rounding to nearest; XLA memory_analysis)
+QUANTIZE_COLUMNS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
