@@ -132,6 +132,27 @@ def tiny_gguf(request, tmp_path_factory):
     return path, rounded, blocks
 
 
+def test_adopted_host_buffers_go_at_release_adopted():
+    """jax adopts a host_buffer without a copy and, once its array is dropped, frees it only at
+    its next transfer: `release_adopted` is that transfer (the buffer then has no owner left)."""
+    import weakref
+
+    from tqjax.host import host_buffer, release_adopted
+
+    m = host_buffer((256, 256), np.float32)
+    m[:] = 1
+    root = m
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    owner = weakref.ref(root)
+    a = jax.device_put(m)
+    assert a.unsafe_buffer_pointer() == m.ctypes.data  # adopted, not copied
+    del m, a, root
+    assert owner() is not None  # still held by the runtime
+    release_adopted()
+    assert owner() is None
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gguf_stream_equals_eager(tiny_gguf, dtype):
     path, rounded, _ = tiny_gguf

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tqjax.errors import TqjaxError
-from tqjax.host import host_buffer
+from tqjax.host import host_buffer, release_adopted
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -245,7 +245,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         mlp_in = lp.replace(**dict.fromkeys(("wq", "wk", "wv", "wo", "w_down")))
         gated = [_gated(mlp_in, h) for h in hn]
         lp = stage(lp, i, ("w_down",), gated)
-        x = add(x, gated, lp.w_down)
+        x = jax.block_until_ready(add(x, gated, lp.w_down))  # (its temporaries gone too)
         layers.append(lp)
         del lp, mlp_in, hn, heads, gated  # before the next layer is read
     params = params.replace(layers=layers)
@@ -533,6 +533,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
                                        layer)
     gram[0] = None  # the last Gram and its factors ([K, K] each) go before the head comes
     factors.clear()
+    release_adopted()  # (the factor is a host buffer jax adopted)
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight"))
     return params
