@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
-from tqjax.host import host_buffer
+from tqjax.host import host_buffer, release_adopted
 from tqjax.models import checkpoint
 from tqjax.models.checkpoint import SafetensorsFile, read_file_bytes
 from tqjax.models.config import ModelConfig, config_from_gguf, config_from_hf, rope_inv_freq
@@ -88,6 +88,7 @@ def place(t: StoredTensor, dtype: jnp.dtype, transpose: bool = False,
     """t as a device array of `dtype`: rows reordered by `perm` (row i = stored row perm[i]),
     then transposed ([out, in] -> [in, out]) if asked. Rows are read and cast `CHUNK_BYTES` of
     float32 at a time into one host buffer of the final dtype, which the device adopts."""
+    release_adopted()  # host buffers jax adopted and the caller dropped go before this read
     rows = t.shape[0]
     out = host_buffer(t.shape[::-1] if transpose else t.shape, dtype)
     step = max(1, CHUNK_BYTES // (4 * math.prod(t.shape[1:])))

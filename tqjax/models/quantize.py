@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tqjax.errors import TqjaxError
-from tqjax.host import host_buffer, release_adopted
+from tqjax.host import host_buffer
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -532,8 +532,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
             params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
                                        layer)
     gram[0] = None  # the last Gram and its factors ([K, K] each) go before the head comes
-    factors.clear()
-    release_adopted()  # (the factor is a host buffer jax adopted)
+    factors.clear()  # (an adopted host buffer: `place` has jax release it before reading)
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight"))
     return params
