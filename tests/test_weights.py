@@ -501,9 +501,9 @@ def test_fisher_streamed_equals_the_whole_model_gradient(tiny, tied, monkeypatch
     if tied:
         params = params.replace(lm_head=None)
         config = dataclasses.replace(config, tie_embeddings=True)
-    cal = np.random.default_rng(4).integers(0, 256, (2, 20)).astype(np.int32)
+    cal = np.random.default_rng(4).integers(0, 256, (3, 20)).astype(np.int32)
     per_window = config.num_layers * 20 * config.hidden_size * 4
-    monkeypatch.setattr(mq, "FISHER_SAVED_BYTES", per_window)  # a window per chunk: 2 chunks
+    monkeypatch.setattr(mq, "FISHER_SAVED_BYTES", 2 * per_window)  # chunks of 2 windows and 1
     paths = linear_paths(params, quantize_head=False)
     got = fisher_diagonal(params, config, paths, cal, 8, seed=3)
     cache = make_cache(tqjax.CacheSpec(), batch=1, slots=20, num_layers=config.num_layers,

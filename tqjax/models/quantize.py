@@ -333,23 +333,28 @@ def _final_norm_vjp(x: jax.Array, weight: jax.Array, eps: float, g: jax.Array) -
     return jax.vjp(lambda x: rms_norm(x, weight, eps), x)[1](g.astype(x.dtype))[0]
 
 
-def _head_cotangent(params: Params, config: ModelConfig, head: Columns, x: jax.Array,
-                    key: jax.Array) -> jax.Array:
-    """x [1, T, D] (the last layer's output) -> ∂ Σ_t log p(y_t)/∂x, labels y sampled from the
-    model's own next-token distribution (Gumbel-max over `HEAD_COLUMNS` blocks, drawn with
-    `key`); the head is read a block at a time, twice, and no [T, V] array is made."""
-    hn = _norm(x, params.final_norm, config.rms_eps)[0]  # [T, D]
-    t, (_, v) = hn.shape[0], head.shape
-    state = (jnp.full(t, -jnp.inf), jnp.zeros(t), jnp.full(t, -jnp.inf), jnp.zeros(t, jnp.int32))
+def _head_cotangents(params: Params, config: ModelConfig, head: Columns, xs: list[jax.Array],
+                     keys: list[jax.Array]) -> list[jax.Array]:
+    """Each window's last-layer output x [1, T, D] -> ∂ Σ_t log p(y_t)/∂x, labels y sampled from
+    the model's own next-token distribution (Gumbel-max over `HEAD_COLUMNS` blocks, drawn with
+    the window's key). The head is read a block at a time, twice for all the windows (a
+    log-sum-exp and the labels, then the gradient); no [T, V] array is made."""
+    hns = [_norm(x, params.final_norm, config.rms_eps)[0] for x in xs]  # [T, D] each
+    t, (_, v) = hns[0].shape[0], head.shape
+    states = [(jnp.full(t, -jnp.inf), jnp.zeros(t), jnp.full(t, -jnp.inf),
+               jnp.zeros(t, jnp.int32))] * len(xs)
     for a in range(0, v, HEAD_COLUMNS):
-        state = _head_block(hn, jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS))), key,
-                            jnp.int32(a), state)
-    lse, label = state[0] + jnp.log(state[1]), state[3]
-    g = jnp.zeros(hn.shape, jnp.float32)
+        block = jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS)))
+        states = [_head_block(hn, block, key, jnp.int32(a), state)
+                  for hn, key, state in zip(hns, keys, states, strict=True)]
+    lses = [state[0] + jnp.log(state[1]) for state in states]
+    gs = [jnp.zeros(hn.shape, jnp.float32) for hn in hns]
     for a in range(0, v, HEAD_COLUMNS):
-        g = _head_grad(hn, jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS))), lse, label,
-                       jnp.int32(a), g)
-    return _final_norm_vjp(x, params.final_norm, config.rms_eps, g[None])
+        block = jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS)))
+        gs = [_head_grad(hn, block, lse, state[3], jnp.int32(a), g)
+              for hn, lse, state, g in zip(hns, lses, states, gs, strict=True)]
+    return [_final_norm_vjp(x, params.final_norm, config.rms_eps, g[None])
+            for x, g in zip(xs, gs, strict=True)]
 
 
 def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windows: np.ndarray,
@@ -380,8 +385,8 @@ def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windo
             inputs.append(xs)
             xs = [_layer_forward(lp, config, x, inv_freq) for x in xs]
             del lp
-        gs = [_head_cotangent(params, config, head, x, jax.random.PRNGKey(seed * 7919 + c + j))
-              for j, x in enumerate(xs)]
+        gs = _head_cotangents(params, config, head, xs,
+                              [jax.random.PRNGKey(seed * 7919 + c + j) for j in range(len(xs))])
         del xs
         for i in reversed(range(config.num_layers)):
             lp = layer(i)
