@@ -998,3 +998,52 @@ def test_gptq_batches_rows_as_one_row_loop_would(fmt, monkeypatch):
     err = [float(np.sum((x @ (np.asarray(effective_weight(q)) - np.asarray(w))) ** 2))
            for q in (batched, whole)]
     np.testing.assert_allclose(err[0], err[1], rtol=2e-3)
+
+
+def test_mixed_factors_a_shared_gram_in_place_last_and_bounds_its_programs(tiny, monkeypatch):
+    """Linears that share a Gram but differ in basis (group size) get one factor per basis; the
+    Gram is factored in place (consumed) only by the last basis any of them needs. With at
+    most 2 (format, shape) programs kept, jax's caches are cleared before a third is
+    compiled. Neither changes a byte of the result."""
+    from tqjax.models import quantize as mq
+
+    cal = np.random.default_rng(5).integers(0, 256, (2, 24)).astype(np.int32)
+    paths = linear_paths(tiny.params, quantize_head=False)
+    pick = {"wq": (4, 64), "wk": (4, 128), "wv": (4, 64), "wo": (3, 64), "w_gate": (3, 128),
+            "w_up": (3, 128), "w_down": (8, 64)}
+    fmts = {p: WeightFormat("tq", *pick[p.rsplit(".", 1)[1]]) for p in paths}
+    monkeypatch.setattr(mq, "weight_formats", lambda *a, **k: fmts)
+    spec = WeightSpec("mixed", bpw=4.25)
+    factor = mq.hessian_factor
+    calls: list[tuple] = []
+
+    def record(h, fmt, seed, damp, consume=False):
+        calls.append((fmt.group, consume))
+        return factor(h, fmt, seed, damp, consume=consume)
+
+    events: list = []
+    quantize_linear = mq.quantize_linear
+    monkeypatch.setattr(mq, "hessian_factor", record)
+    monkeypatch.setattr(mq, "quantize_linear", lambda w, fmt, *a: (
+        events.append((fmt, w.shape)) or quantize_linear(w, fmt, *a)))
+    monkeypatch.setattr(mq.jax, "clear_caches", lambda: events.append("clear"))
+    monkeypatch.setattr(mq, "KEPT_PROGRAMS", 2)
+    got = quantize_params(tiny.params, tiny.config, spec, cal)
+    per_layer = [(64, False), (128, True), (64, True), (128, True), (64, True)]
+    assert calls == per_layer * tiny.config.num_layers
+    kept: set = set()
+    for e in events[1:]:  # after the measuring's clear
+        if e == "clear":
+            assert len(kept) == 2
+            kept = set()
+        else:
+            kept.add(e)
+            assert len(kept) <= 2
+    assert events[0] == "clear" and events.count("clear") > 2
+
+    monkeypatch.setattr(mq, "hessian_factor", lambda h, fmt, seed, damp, consume=False: factor(
+        h, fmt, seed, damp, consume=False))
+    monkeypatch.setattr(mq, "KEPT_PROGRAMS", 100)
+    want = quantize_params(tiny.params, tiny.config, spec, cal)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

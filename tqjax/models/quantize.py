@@ -57,6 +57,9 @@ from tqjax.quant.weights import (
 )
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# the decoder linears quantized together by sequential GPTQ: each stage's linears read the same
+# input, so they share one Gram (`run_sequential`)
+STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 METHODS = {  # method -> format (with its default group)
     "tq8": WeightFormat("tq", 8, 64),
     "tq4": WeightFormat("tq", 4, 64),
@@ -74,6 +77,9 @@ MIXED = "mixed"
 EMBEDDING_FORMAT = WeightFormat("tq", 8, 64)
 FISHER_TOKENS = 256  # tokens of each calibration window used for the Fisher information
 FISHER_WINDOWS = 32  # at most this many calibration windows (spread evenly) for Fisher
+# quantizer programs (one per format and weight shape, ~9 MB each, resident while jax caches
+# them) compiled before `quantize_params` clears jax's caches: "mixed" would keep up to ~60
+KEPT_PROGRAMS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,17 +240,17 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         # lp: layer i, each dense linear replaced (and its dense array dropped) in turn
         lp = params.layers[i] if dense_layer is None else dense_layer(i)
         hn = [_norm(xi, lp.attn_norm, eps) for xi in x]
-        lp = stage(lp, i, ("wq", "wk", "wv"), hn)
+        lp = stage(lp, i, STAGES[0], hn)
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
-        lp = stage(lp, i, ("wo",), heads)
+        lp = stage(lp, i, STAGES[1], heads)
         x = add(x, heads, lp.wo)
         hn = [_norm(xi, lp.mlp_norm, eps) for xi in x]
-        lp = stage(lp, i, ("w_gate", "w_up"), hn)
+        lp = stage(lp, i, STAGES[2], hn)
         # only the quantized gate/up: the compilation is keyed on those two formats, not on
         # every other field's (mixed: one per layer otherwise)
         mlp_in = lp.replace(**dict.fromkeys(("wq", "wk", "wv", "wo", "w_down")))
         gated = [_gated(mlp_in, h) for h in hn]
-        lp = stage(lp, i, ("w_down",), gated)
+        lp = stage(lp, i, STAGES[3], gated)
         x = jax.block_until_ready(add(x, gated, lp.w_down))  # (its temporaries gone too)
         layers.append(lp)
         del lp, mlp_in, hn, heads, gated  # before the next layer is read
@@ -478,6 +484,10 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
+    Compiled programs are resident while jax caches them, so this clears jax's caches
+    (`jax.clear_caches`) after "mixed" has measured its formats and whenever more than
+    `KEPT_PROGRAMS` formats and shapes have been quantized since: the caller's own jitted
+    functions then compile again on their next call.
     """
     if isinstance(params, Checkpoint) and params.blocks:
         raise TqjaxError("a checkpoint opened with its GGUF blocks kept is not quantized again")
@@ -501,24 +511,40 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
     layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
     formats = weight_formats(params, config, spec, paths, windows, progress, layer)
+    if spec.method == MIXED:
+        jax.clear_caches()  # the measuring's programs (Fisher pass, one per format and shape)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     gram: list[Any] = [None]  # the Gram the cached factors belong to
     factors: dict[tuple[int, int], HessianFactor] = {}  # GPTQ factor of that Gram, per basis
+    programs: set[tuple] = set()  # (format, shape) quantized since jax's caches were cleared
+
+    def basis(fmt: WeightFormat, k: int) -> tuple[int, int]:
+        return fmt.rotation_block, fmt.group_size(k)
+
+    def sharing(path: str) -> list[WeightFormat]:
+        """Formats of the linears quantized after `path` from the same Gram (its stage's)."""
+        prefix, _, field = path.rpartition(".")
+        stage = next((s for s in STAGES if field in s), (field,))
+        return [formats[f"{prefix}.{f}"] for f in stage[stage.index(field) + 1:]]
 
     def quantize(path: str, w: jax.Array | Columns, hessian: jax.Array | None
                  ) -> QuantizedLinear:
-        fmt = formats[path]
+        fmt, k = formats[path], w.shape[0]
+        if (fmt, w.shape) not in programs and len(programs) >= KEPT_PROGRAMS:
+            jax.clear_caches()  # (only compiled programs: any caller's recompile when next run)
+            programs.clear()
+        programs.add((fmt, w.shape))
         factor = None
         if hessian is not None:
             if gram[0] is not hessian:
                 gram[0] = hessian
                 factors.clear()
-            basis = (fmt.rotation_block, fmt.group_size(w.shape[0]))
-            if basis not in factors:  # a uniform method needs one basis per Gram: reuse it
-                factors[basis] = hessian_factor(hessian, fmt, spec.seed, spec.damp,
-                                                consume=spec.method != MIXED)
-            factor = factors[basis]
+            if basis(fmt, k) not in factors:  # the Gram is factored in place by the last basis
+                later = {basis(f, k) for f in sharing(path)} - factors.keys() - {basis(fmt, k)}
+                factors[basis(fmt, k)] = hessian_factor(hessian, fmt, spec.seed, spec.damp,
+                                                        consume=not later)
+            factor = factors[basis(fmt, k)]
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
