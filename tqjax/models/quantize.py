@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tqjax.errors import TqjaxError
-from tqjax.host import host_buffer
+from tqjax.host import host_buffer, trim_heap
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -513,6 +513,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     formats = weight_formats(params, config, spec, paths, windows, progress, layer)
     if spec.method == MIXED:
         jax.clear_caches()  # the measuring's programs (Fisher pass, one per format and shape)
+        trim_heap()
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     gram: list[Any] = [None]  # the Gram the cached factors belong to
@@ -533,6 +534,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         fmt, k = formats[path], w.shape[0]
         if (fmt, w.shape) not in programs and len(programs) >= KEPT_PROGRAMS:
             jax.clear_caches()  # (only compiled programs: any caller's recompile when next run)
+            trim_heap()
             programs.clear()
         programs.add((fmt, w.shape))
         factor = None
@@ -564,6 +566,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
                                        layer)
     gram[0] = None  # the last Gram and its factors ([K, K] each) go before the head comes
     factors.clear()  # (an adopted host buffer: `place` has jax release it before reading)
+    trim_heap()  # what the quantizing freed, before the head is read
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight"))
     return params
