@@ -154,7 +154,7 @@ def test_gguf_weights_on_an_hf_directory(tiny_model):
 
 FRAGMENT = """
 import sys, numpy as np
-from tqjax.cli import release_large_buffers
+from tqjax.host import release_large_buffers
 if sys.argv[1] == "1":
     assert release_large_buffers()
 def rss():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -135,21 +134,6 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def release_large_buffers(threshold: int = 1 << 20) -> bool:
-    """Serve heap blocks of `threshold` bytes and more from mmap, so they go back to the OS
-    when freed (glibc; the same as MALLOC_MMAP_THRESHOLD_). glibc otherwise raises its
-    threshold after large frees, and the transient per-window activations of a calibration
-    pass then fragment the heap: a Qwen2.5-0.5B mixed quantization peaked at 24 GB of RSS
-    (killed) instead of 8.8 GB. Returns False where there is no glibc."""
-    try:
-        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
-
-
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status code for a failed allocation
 MEMORY_HINT = ("try a smaller --ctx-size or batch, a compressed cache (--kv) or quantized "
                "weights (--weights)")
@@ -211,6 +195,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     """Run a CLI entry point: user errors (see `user_error_text`) print one line to stderr
     and exit 2."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from tqjax.host import release_large_buffers
+
     release_large_buffers()
     enable_compilation_cache()
     try:

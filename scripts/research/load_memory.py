@@ -49,7 +49,7 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
     import tqjax
 
     if mmap_threshold:
-        from tqjax.cli import release_large_buffers
+        from tqjax.host import release_large_buffers
 
         release_large_buffers()
     jax.jit(lambda x: x * 2 + 1)(jnp.ones(8)).block_until_ready()
@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--generate", type=int, default=0, help="tokens to generate after the load")
     p.add_argument("--mmap-threshold", action="store_true",
                    help="serve large heap blocks from mmap as the CLI scripts do "
-                        "(tqjax.cli.release_large_buffers)")
+                        "(tqjax.host.release_large_buffers)")
     p.add_argument("--hf-copy", metavar="DIR", help="write the first --model as an HF "
                    "safetensors directory (f32) and exit")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
