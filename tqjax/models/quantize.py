@@ -542,11 +542,12 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
             if gram[0] is not hessian:
                 gram[0] = hessian
                 factors.clear()
-            if basis(fmt, k) not in factors:  # the Gram is factored in place by the last basis
-                later = {basis(f, k) for f in sharing(path)} - factors.keys() - {basis(fmt, k)}
-                factors[basis(fmt, k)] = hessian_factor(hessian, fmt, spec.seed, spec.damp,
-                                                        consume=not later)
-            factor = factors[basis(fmt, k)]
+            b = basis(fmt, k)
+            if b not in factors:  # the Gram is factored in place by the last basis it needs
+                later = {basis(f, k) for f in sharing(path)} - factors.keys() - {b}
+                factors[b] = hessian_factor(hessian, fmt, spec.seed, spec.damp,
+                                            consume=not later)
+            factor = factors[b]
         bar.update()
         return quantize_linear(w, fmt, spec.seed, factor)
 
