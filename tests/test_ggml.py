@@ -55,6 +55,24 @@ def test_dequantize_matches_gguf_exactly(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_fields_tile_each_block_and_file_blocks_round_trips(name):
+    """FIELDS covers every byte of a block once, each field in whole planes of whole chunks,
+    and a weight's field arrays give back the file's exact bytes."""
+    block, type_size = gguf.GGML_QUANT_SIZES[T[name]]
+    at = 0
+    for start, size, planes, chunk in gm.FIELDS[int(T[name])]:
+        assert start == at and size % (planes * chunk) == 0
+        at += size
+    assert at == type_size
+    raw = random_blocks(name, 6, 2 * block)
+    w = ggml.from_gguf(raw, T[name], (6, 2 * block))
+    np.testing.assert_array_equal(np.asarray(ggml.file_blocks(w)), raw)
+    assert ggml.weight_bytes(w) == raw.size
+    order = ggml.code_order(w)  # every input read exactly once by the fused dots
+    np.testing.assert_array_equal(np.sort(order), np.arange(2 * block))
+
+
+@pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 7])
 def test_linear_matches_dequantized_reference(name, rows):
     n, k = 40, 768
@@ -226,15 +244,18 @@ def test_real_model_logits_match_dequantized(model_name, real_model):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_orbax_names_the_old_gguf_layout():
-    """An orbax checkpoint whose GGUF weights were saved as whole blocks (`data`, before the
-    code/scale split) gets a one-line error that says to save it again."""
-    from tqjax.models.orbax_checkpoint import _decode
-    old = {"type": "GGMLLinear", "fields": {"data": {"shape": [4, 34], "dtype": "uint8"}},
-           "static": {"ggml_type": int(T.Q8_0), "in_features": 32}}
-    with pytest.raises(TqjaxError, match="save the checkpoint again"):
-        _decode(old)
-    new = {"type": "GGMLLinear", "fields": {"head": {"shape": [4, 2], "dtype": "uint8"},
-                                            "codes": {"shape": [4, 32], "dtype": "uint8"}},
-           "static": {"ggml_type": int(T.Q8_0), "in_features": 32}}
-    assert _decode(new).codes.shape == (4, 32)
+def test_orbax_names_the_old_gguf_layouts():
+    """An orbax checkpoint whose GGUF weights were saved as whole blocks (`data`) or as codes
+    and the rest of each block (`head`, `codes`) gets a one-line error that says to save it
+    again; the current layout's structure round-trips."""
+    from tqjax.models.orbax_checkpoint import _decode, _encode
+    static = {"ggml_type": int(T.Q8_0), "in_features": 32}
+    u8 = {"dtype": "uint8"}
+    for old in ({"data": {"shape": [4, 34], **u8}},
+                {"head": {"shape": [4, 2], **u8}, "codes": {"shape": [4, 32], **u8}}):
+        with pytest.raises(TqjaxError, match="save the checkpoint again"):
+            _decode({"type": "GGMLLinear", "fields": old, "static": static})
+    w = ggml.from_gguf(random_blocks("Q8_0", 4, 32), T.Q8_0, (4, 32))
+    back = _decode(_encode(w))
+    assert jax.tree.structure(back) == jax.tree.structure(w)
+    assert [a.shape for a in back.fields] == [(4, 1, 2), (4, 1, 32)]

@@ -200,10 +200,10 @@ def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
         split = _spec(mesh, cols, rows)
         return jax.tree.map(lambda _: rep, w).replace(
             packed=split, scale=split, offset=None if w.offset is None else split)
-    if isinstance(w, GGMLLinear):  # head, codes [out, in-blocks · bytes], cut at block boundaries
+    if isinstance(w, GGMLLinear):  # fields [out, planes, in-blocks · bytes]: cut at blocks
         rows, cols = dims(w.in_features // w.block, w.out_features)
-        split = _spec(mesh, cols, rows)
-        return w.replace(head=split, codes=split)
+        split = _spec(mesh, cols, None, rows)
+        return w.replace(fields=tuple(split for _ in w.fields))
     k, n = w.shape
     return _spec(mesh, *dims(k, n))
 

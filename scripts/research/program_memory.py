@@ -1,6 +1,7 @@
 """Resident memory of the compiled prefill and decode programs, beside their HLO size (Linux).
 
     python scripts/research/program_memory.py MODEL KV CONTEXT [--prompt-tokens 512]
+        [--weights gguf]
     e.g. smollm2-135m-instruct turbo4 8000
 
 An XLA:CPU executable stays resident while JAX caches it, and what it holds grows with its
@@ -57,12 +58,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("kv", help='cache type, "K" or "K/V"')
     p.add_argument("context", type=int)
+    p.add_argument("--weights", default=None, help='a weight method, e.g. "gguf" (default: f32)')
     return p
 
 
 def model_and_cache(a: argparse.Namespace) -> tuple[tqjax.Model, object]:
     """The model and a batch-1 cache of a.context + 50 slots in format a.kv."""
-    m = tqjax.load(a.model)
+    m = tqjax.load(a.model, weights=a.weights)
     spec = tqjax.CacheSpec(*parse_kv(a.kv))
     return m, new_cache(m.params, m.config, spec, 1, a.context + 50, m.calibration(spec))
 

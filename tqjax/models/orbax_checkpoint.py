@@ -68,7 +68,7 @@ def _encode(node: Any) -> Any:
     arrays as shape and dtype, lists and None as themselves."""
     if node is None:
         return None
-    if isinstance(node, list):
+    if isinstance(node, (list, tuple)):
         return [_encode(x) for x in node]
     if type(node).__name__ in TYPES and dataclasses.is_dataclass(node):
         fields, static = {}, {}
@@ -93,10 +93,13 @@ def _decode(raw: Any) -> Any:
             return [_decode(x) for x in raw]
         if "type" in raw:
             cls = TYPES[raw["type"]]
-            if cls is GGMLLinear and "data" in raw["fields"]:  # before 4ddeb95: whole blocks
-                raise TqjaxError(f"{META_FILE}: GGUF blocks saved in the layout before the "
-                                 "code/scale split; save the checkpoint again")
+            if cls is GGMLLinear and "fields" not in raw["fields"]:  # whole blocks (before
+                # 4ddeb95) or codes and the rest of each block (before stop 44)
+                raise TqjaxError(f"{META_FILE}: GGUF blocks saved in an older layout than "
+                                 "this tqjax reads; save the checkpoint again")
             fields = {k: _decode(v) for k, v in raw["fields"].items()}
+            if cls is GGMLLinear:
+                fields["fields"] = tuple(fields["fields"])
             return cls(**fields, **raw["static"])
         return jax.ShapeDtypeStruct(tuple(int(n) for n in raw["shape"]), np.dtype(raw["dtype"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -1,15 +1,16 @@
 """Fused dequantize-and-multiply for GGUF weights kept in their own blocks (Pallas, Triton dialect).
 
 y = x @ Wᵀ for W [N, K] stored as llama.cpp blocks (`tqjax.quant.ggml.GGMLLinear`: per output
-row, K / block blocks of `type_size` bytes, each block's code bytes in one array and the rest in
-another), never writing W to memory. The launch follows
+row, K / block blocks of `type_size` bytes, kept field by field as FIELDS lays them out), never
+writing W to memory. The launch follows
 `tqjax.pallas.dequant_matmul`: each program owns `block_n` output rows and a contiguous range of
 blocks (split-K); `decode` tiling (M <= 8) does a row-wise multiply-and-reduce per activation
 row, `prefill` tiling a [block_m, L] × [L, block_n] dot per sub-block. Per block, each sub-block
 of L values (16 or 32: a power of two, as Triton needs)
 
-1. gathers its code bytes straight from the block (byte and shift computed from the value index,
-   e.g. Q6_K's low nibbles at byte 64·h + r mod 64 and high bits at 128 + 32·h + r mod 32), and
+1. gathers its code bytes straight from the block's fields (byte and shift computed from the
+   value index, e.g. Q6_K's low nibbles at byte 64·h + r mod 64 and high bits at
+   128 + 32·h + r mod 32, each byte found in its field's planes), and
    its scale (and min) bytes, assembling f16 from two bytes and sign-extending int8 with integer
    ops,
 2. multiplies the integer codes (as f32, exact) with the activation slice,
@@ -36,20 +37,47 @@ from tqjax.pallas.dequant_matmul import DECODE_ROWS, TARGET_PROGRAMS, Tiling
 T = GGMLQuantizationType
 KERNEL_TYPES: tuple[int, ...] = tuple(int(t) for t in (
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K))
-# the run [start, end) of each block's bytes that holds its codes (Q6_K: the low nibbles; its
-# high bits stay with the scales); a weight keeps those runs in `codes` and the rest of each
-# block in `head` (`tqjax.quant.ggml`)
-CODE_BYTES: dict[int, tuple[int, int]] = {
-    int(T.Q8_0): (2, 34), int(T.Q4_0): (2, 18), int(T.Q4_1): (4, 20), int(T.Q5_0): (6, 22),
-    int(T.Q5_1): (8, 24), int(T.Q4_K): (16, 144), int(T.Q5_K): (48, 176), int(T.Q6_K): (0, 128)}
+# Each block's bytes split into its fields (gguf/quants.py's names), as (start, size, planes,
+# chunk): a weight keeps field f as uint8 [N, planes, blocks · size / planes], the field's
+# chunks of `chunk` bytes dealt round-robin to its planes (chunk c to plane c mod planes), each
+# plane block after block (`tqjax.quant.ggml`). Per-block fields are one plane; the codes are
+# cut into planes so that every dot of the XLA path reads one plane's codes in order with one
+# constant shift per block (Q6_K: plane a holds the low nibbles of values 128h + 64j + 32a + l
+# for both halves h, and its qh bytes (h, l) are the plane's own order).
+FIELDS: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    int(T.Q8_0): ((0, 2, 1, 2), (2, 32, 1, 32)),  # d, qs
+    int(T.Q4_0): ((0, 2, 1, 2), (2, 16, 1, 16)),  # d, qs
+    int(T.Q4_1): ((0, 2, 1, 2), (2, 2, 1, 2), (4, 16, 1, 16)),  # d, m, qs
+    int(T.Q5_0): ((0, 2, 1, 2), (2, 4, 1, 4), (6, 16, 1, 16)),  # d, qh, qs
+    int(T.Q5_1): ((0, 2, 1, 2), (2, 2, 1, 2), (4, 4, 1, 4), (8, 16, 1, 16)),  # d, m, qh, qs
+    int(T.Q4_K): ((0, 2, 1, 2), (2, 2, 1, 2), (4, 12, 1, 12), (16, 128, 4, 32)),  # d dmin sc qs
+    int(T.Q5_K): ((0, 2, 1, 2), (2, 2, 1, 2), (4, 12, 1, 12), (16, 32, 1, 32),  # ... qh
+                  (48, 128, 4, 32)),  # qs
+    int(T.Q6_K): ((0, 128, 2, 32), (128, 64, 1, 64), (192, 16, 1, 16), (208, 2, 1, 2)),
+}  # Q6_K: ql, qh, scales, d
+
+
+def field_of(ggml_type: int, at: int) -> int:
+    """Index of the field (in FIELDS[ggml_type]) that holds byte `at` of a block."""
+    for f, (start, size, _, _) in enumerate(FIELDS[int(ggml_type)]):
+        if start <= at < start + size:
+            return f
+    raise TqjaxError(f"byte {at} is outside a {T(ggml_type).name} block")
+
+
+def field_column(ggml_type: int, f: int, e: jax.Array, block: jax.Array) -> tuple[jax.Array,
+                                                                                   jax.Array]:
+    """(plane, column) in field f's array of byte e (int32 [...], within the field) of `block`."""
+    _, size, planes, chunk = FIELDS[int(ggml_type)][f]
+    c = e // chunk
+    return c % planes, block * (size // planes) + (c // planes) * chunk + e % chunk
 
 
 class BlockWeight(Protocol):
     """What the kernel reads of a `tqjax.quant.ggml.GGMLLinear` (structural type, so this
     ground-layer module imports nothing above it)."""
 
-    head: jax.Array  # uint8 [N, K / block · head bytes]: each block's bytes outside its codes
-    codes: jax.Array  # uint8 [N, K / block · code bytes]: each block's code bytes
+    fields: tuple[jax.Array, ...]  # uint8 [N, planes, K / block · plane bytes] per FIELDS entry
     ggml_type: int
     in_features: int  # K
 
@@ -141,36 +169,30 @@ def _decode_part(t: T, load: object, load1: object, p: int, length: int
     raise TqjaxError(f"ggml_matmul has no decoder for {t.name}")
 
 
-def _kernel(x_ref: object, head_ref: object, codes_ref: object, o_ref: object, *, ggml_type: int,
-            block: int, type_size: int, blocks_per_split: int, rows: int | None,
-            block_n: int) -> None:
+def _kernel(x_ref: object, *refs: object, ggml_type: int, block: int, blocks_per_split: int,
+            rows: int | None, block_n: int) -> None:
+    *field_refs, o_ref = refs  # one ref per FIELDS entry, [block_n, planes, blocks · plane]
     split = pl.program_id(2)
     t = T(ggml_type)
     parts, length = sub_blocks(ggml_type)
     dtype = x_ref.dtype
     row_ids = jnp.arange(block_n, dtype=jnp.int32)
-
-    c0, c1 = CODE_BYTES[int(ggml_type)]
-    code_size, head_size = c1 - c0, type_size - (c1 - c0)
+    layout = FIELDS[int(ggml_type)]
 
     def body(i: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         b = split * blocks_per_split + i
 
-        def where(at: int) -> tuple[object, jax.Array]:  # byte `at` of the block: (ref, column)
-            if c0 <= at < c1:
-                return codes_ref, b * code_size + at - c0
-            return head_ref, b * head_size + (at if at < c0 else at - code_size)
-
-        def load(at: int, offsets: jax.Array) -> jax.Array:  # bytes at + offsets, [block_n, L]
-            ref, base = where(at)  # every offset stays in the field that starts at `at`
+        def load(at: int, offsets: jax.Array) -> jax.Array:  # bytes at + offsets: [block_n, L]
+            f = field_of(ggml_type, at)  # every offset stays in the field that holds `at`
+            plane, col = field_column(ggml_type, f, at - layout[f][0] + offsets, b)
             shape = (block_n, offsets.shape[0])
             r = jnp.broadcast_to(row_ids[:, None], shape)
-            c = jnp.broadcast_to((base + offsets)[None, :], shape)
-            return ref[r, c].astype(jnp.int32)
+            k = jnp.broadcast_to(plane[None, :], shape)
+            c = jnp.broadcast_to(col[None, :], shape)
+            return field_refs[f][r, k, c].astype(jnp.int32)
 
-        def load1(at: int) -> jax.Array:  # [block_n]
-            ref, base = where(at)
-            return ref[row_ids, jnp.full((block_n,), base, jnp.int32)].astype(jnp.int32)
+        def load1(at: int) -> jax.Array:  # byte `at`, [block_n]
+            return load(at, jnp.zeros((1,), jnp.int32))[:, 0]
 
         acc = list(acc)
         for p in range(parts):
@@ -208,7 +230,7 @@ def _kernel(x_ref: object, head_ref: object, codes_ref: object, o_ref: object, *
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
 def _ggml_matmul(x: jax.Array, w: BlockWeight, interpret: bool, tiling: Tiling) -> jax.Array:
     m, k = x.shape
-    block, type_size = GGML_QUANT_SIZES[T(w.ggml_type)]
+    block = GGML_QUANT_SIZES[T(w.ggml_type)][0]
     n, blocks = w.out_features, k // block
     block_m, block_n, splits = tiling.block_m, tiling.block_n, tiling.splits
     if n % block_n or blocks % splits or block_n & (block_n - 1):
@@ -222,20 +244,21 @@ def _ggml_matmul(x: jax.Array, w: BlockWeight, interpret: bool, tiling: Tiling) 
         x_spec = pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0))
     mp = xp.shape[0]
     kernel = functools.partial(
-        _kernel, ggml_type=int(w.ggml_type), block=block, type_size=type_size,
-        blocks_per_split=blocks // splits, rows=rows, block_n=block_n)
+        _kernel, ggml_type=int(w.ggml_type), block=block, blocks_per_split=blocks // splits,
+        rows=rows, block_n=block_n)
+    field_specs = [pl.BlockSpec((block_n, *a.shape[1:]), lambda i, j, s: (j, 0, 0))
+                   for a in w.fields]
     out = pl.pallas_call(
         kernel,
         grid=(row_blocks, n // block_n, splits),
-        in_specs=[x_spec, pl.BlockSpec((block_n, w.head.shape[1]), lambda i, j, s: (j, 0)),
-                  pl.BlockSpec((block_n, w.codes.shape[1]), lambda i, j, s: (j, 0))],
+        in_specs=[x_spec, *field_specs],
         out_specs=pl.BlockSpec((None, mp if block_m is None else block_m, block_n),
                                lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=f"ggml_matmul_{T(w.ggml_type).name.lower()}",
-    )(xp, w.head, w.codes)
+    )(xp, *w.fields)
     return jnp.sum(out, axis=0)[:m].astype(x.dtype)
 
 

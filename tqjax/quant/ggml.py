@@ -19,22 +19,27 @@ values:
     Q5_K    256   176   8 × 32      5 bits         d·sc (6 b)   −dmin·m (6 b)
     Q6_K    256   210  16 × 16      6 bits − 32    d·sc (i8)    -
 
-and the one decoder here (`_position_values`) reproduces `gguf.quants.dequantize` bit for bit
-(same f32 operations in the same order). The bytes are the file's, held in two arrays: each
-block's run of code bytes (`CODE_BYTES`: the nibbles or int8 codes; Q6_K's low nibbles) in
-`codes`, the rest of each block (scales, mins, Q5's and Q6_K's high bits) in `head`, both per
-output row in block order. A decode step's fused dots then read each row's codes in order;
-through whole blocks (scales between the codes) XLA:CPU indexed every byte on its own
-(SmolLM2's Q4_1 576 -> 1536: 0.43 ms against 0.07 ms split, issue 22, stop 39).
-`file_blocks` puts the bytes back in the file's order. `linear` decodes a cache-sized tile
-of output rows at a time and multiplies it in one dot (XLA), or runs the fused
-`tqjax.pallas.ggml_matmul` kernel (Pallas backend). An embedding table [V, D] is a
-GGMLLinear with out = V: `gather_rows` is the token lookup and `linear` the tied head.
+and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in
+the same order): `_plane_values` for the fused dots of a decode step, `_kquant_rows` for whole
+K-quant rows (decode-then-dot, lookups). The bytes are the file's, each block cut into its
+fields (`tqjax.pallas.ggml_matmul.FIELDS`: d, the scales, the codes, ...), each field held as
+its own array [N, planes, blocks · plane bytes]: the codes cut into planes (runs of 32 bytes
+dealt round-robin), each plane block after block. A decode step's fused dots then read, per
+plane and nibble position, each row's codes in order with one constant shift per block and a
+scale per run of 16 or 32 values. Dots that read their bytes from whole blocks, or from fields
+interleaved per block, made XLA:CPU index every byte on its own and ran 2-6x slower (SmolLM2's
+Q4_1 576 -> 1536: 0.43 against 0.07 ms; Qwen2.5-Coder-1.5B's Q6_K 8960 -> 1536: 11.5 against
+1.9 ms; issue 22, stops 39 and 44, docs/research.md). `file_blocks` puts the bytes back in
+the file's order. `linear` decodes a cache-sized tile of output rows at a time and multiplies
+it in one dot (XLA), or runs the fused `tqjax.pallas.ggml_matmul` kernel (Pallas backend). An
+embedding table [V, D] is a GGMLLinear with out = V: `gather_rows` is the token lookup and
+`linear` the tied head.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -46,7 +51,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqjax.errors import TqjaxError
 from tqjax.pallas import ggml_matmul as gm
 from tqjax.pallas.backend import resolve as resolve_backend
-from tqjax.pallas.ggml_matmul import CODE_BYTES
+from tqjax.pallas.ggml_matmul import FIELDS
 from tqjax.quant import tiling
 from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 
@@ -54,7 +59,6 @@ T = GGMLQuantizationType
 SUPPORTED_TYPES: tuple[int, ...] = tuple(int(t) for t in (
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K))
 QK_K = 256
-K_SCALE_SIZE = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins in 12 bytes
 TILE_WEIGHTS = 1 << 20  # values decoded per step of `_linear_tiled` (4 MiB of f32)
 UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot, no loop)
 
@@ -62,16 +66,15 @@ UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot,
 @struct.dataclass
 class GGMLLinear:
     """One GGUF-quantized weight [out, in] in the file's blocks, used as x @ Wᵀ ([in, out]),
-    each block split into its code bytes and the rest (see the module docstring)."""
+    each block's fields in their own arrays (see the module docstring)."""
 
-    head: jax.Array  # uint8 [N_out, in / block · head bytes]: scales (mins, high bits) per block
-    codes: jax.Array  # uint8 [N_out, in / block · code bytes]: each block's codes
+    fields: tuple[jax.Array, ...]  # uint8 [N_out, planes, in / block · plane bytes] per field
     ggml_type: int = struct.field(pytree_node=False, default=int(T.Q8_0))
     in_features: int = struct.field(pytree_node=False, default=0)
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self.fields[0].shape[0]
 
     @property
     def block(self) -> int:  # values per block
@@ -93,20 +96,24 @@ def _check_type(ggml_type: int) -> None:
                          f"(supported: {names})")
 
 
-def _split(blocks: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks uint8 [N, nb, type_size] -> (head [N, nb · head bytes], codes [N, nb · code
-    bytes]); `file_blocks` is the inverse."""
-    c0, c1 = CODE_BYTES[int(ggml_type)]
-    head = np.concatenate([blocks[..., :c0], blocks[..., c1:]], axis=-1)
-    return head.reshape(len(blocks), -1), blocks[..., c0:c1].reshape(len(blocks), -1)
+def _split(blocks: np.ndarray, ggml_type: int) -> Iterator[np.ndarray]:
+    """Blocks uint8 [N, nb, type_size] -> one array [N, planes, nb · size / planes] per field of
+    FIELDS[ggml_type], one at a time (so a caller holds one field's copy at once);
+    `file_blocks` is the inverse."""
+    n, nb, _ = blocks.shape
+    for start, size, planes, chunk in FIELDS[int(ggml_type)]:
+        f = blocks[..., start:start + size].reshape(n, nb, size // (planes * chunk), planes, chunk)
+        yield np.ascontiguousarray(f.transpose(0, 3, 1, 2, 4)).reshape(n, planes, -1)
 
 
 def file_blocks(w: GGMLLinear) -> jax.Array:
     """The weight's bytes as the file stores them, uint8 [N, in / block · type_size]."""
-    c0, _ = CODE_BYTES[int(w.ggml_type)]
     n, nb = w.out_features, w.in_features // w.block
-    h, c = w.head.reshape(n, nb, -1), w.codes.reshape(n, nb, -1)
-    return jnp.concatenate([h[..., :c0], c, h[..., c0:]], axis=-1).reshape(n, -1)
+    parts = []
+    for a, (_, size, planes, chunk) in zip(w.fields, FIELDS[int(w.ggml_type)], strict=True):
+        f = a.reshape(n, planes, nb, size // (planes * chunk), chunk).transpose(0, 2, 3, 1, 4)
+        parts.append(f.reshape(n, nb, size))
+    return jnp.concatenate(parts, axis=-1).reshape(n, -1)
 
 
 def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> GGMLLinear:
@@ -123,20 +130,25 @@ def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> GGMLL
     if raw.size != out * row_bytes:
         raise TqjaxError(f"{T(ggml_type).name} weight [{out}, {inp}] needs {out * row_bytes} "
                          f"bytes, got {raw.size}")
-    head, codes = _split(raw.reshape(out, inp // block, type_size), ggml_type)
-    return GGMLLinear(jnp.asarray(head), jnp.asarray(codes), int(ggml_type), inp)
+    fields = tuple(jnp.asarray(f) for f in _split(raw.reshape(out, inp // block, type_size),
+                                                  ggml_type))
+    return GGMLLinear(fields, int(ggml_type), inp)
+
+
+def _rows(w: GGMLLinear, rows: Any) -> GGMLLinear:
+    """w with only output rows `rows` (an index array or slice)."""
+    return w.replace(fields=tuple(a[rows] for a in w.fields))
 
 
 def permute_rows(w: GGMLLinear, perm: np.ndarray) -> GGMLLinear:
     """w with output rows reordered, row i of the result = row perm[i] of w (a row's blocks move
     together, so this is exact; llama's Q/K un-permutation is such a reordering)."""
-    rows = jnp.asarray(perm)
-    return w.replace(head=w.head[rows], codes=w.codes[rows])
+    return _rows(w, jnp.asarray(perm))
 
 
 def weight_bytes(w: GGMLLinear) -> int:
     """Bytes the weight occupies (and a decode step reads): out · in / block · type_size."""
-    return math.prod(w.head.shape) + math.prod(w.codes.shape)
+    return sum(math.prod(a.shape) for a in w.fields)
 
 
 def bits_per_weight(w: GGMLLinear) -> float:
@@ -156,35 +168,176 @@ def _i32(b: jax.Array) -> jax.Array:
     return b.astype(jnp.int32)
 
 
-def _k_scale_min(sc: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Q4_K/Q5_K packed 6-bit scales uint8 [..., 12] -> (scales, mins) int32 [..., 2, 4]
-    (sub-block h·4 + i at [h, i]): for h = 0 the low 6 bits of bytes i and 4 + i; for h = 1
-    the nibbles of byte 8 + i with the top 2 bits of bytes i and 4 + i above them."""
-    d, m, md = _i32(sc[..., 0:4]), _i32(sc[..., 4:8]), _i32(sc[..., 8:12])
-    first = jnp.arange(2)[:, None] == 0  # [2, 1]
-    hi_sc, hi_mn = (md & 0xF) | ((d >> 2) & 0x30), (md >> 4) | ((m >> 2) & 0x30)
-    scale = jnp.where(first, (d & 0x3F)[..., None, :], hi_sc[..., None, :])
-    mins = jnp.where(first, (m & 0x3F)[..., None, :], hi_mn[..., None, :])
-    return scale, mins
+def _code_field(ggml_type: int) -> int:
+    """Index in FIELDS[ggml_type] of the field that holds the (low) code nibbles or bytes."""
+    return 0 if T(ggml_type) == T.Q6_K else len(FIELDS[int(ggml_type)]) - 1
+
+
+def _planes(ggml_type: int) -> tuple[int, int, int]:
+    """(code planes, nibble positions per code byte, code bytes per plane and block): the
+    fused dots of a run of blocks are one per plane and position."""
+    _, size, planes, _ = FIELDS[int(ggml_type)][_code_field(ggml_type)]
+    return planes, 1 if T(ggml_type) == T.Q8_0 else 2, size // planes
+
+
+def _chunks32(ggml_type: int, k: int) -> list[int]:
+    """The 32-byte runs of a K-quant's code field (their index in the block's field) that
+    plane k holds, in the plane's order."""
+    _, size, planes, chunk = FIELDS[int(ggml_type)][_code_field(ggml_type)]
+    return [(k + planes * g) * (chunk // 32) + u
+            for g in range(size // (planes * chunk)) for u in range(chunk // 32)]
+
+
+def code_order(w: GGMLLinear) -> np.ndarray:
+    """int32 [in]: the input index of every value as `_plane_values` lays them out, plane by
+    plane and position by position (for each, block after block, the plane's code bytes in
+    order): x[:, order] is the input in the order the fused dots read the codes."""
+    t, nb = T(w.ggml_type), w.in_features // w.block
+    planes, positions, pb = _planes(t)
+    parts = []
+    for k in range(planes):
+        for j in range(positions):
+            b, i = np.arange(nb)[:, None], np.arange(pb)[None, :]
+            if t == T.Q8_0:
+                value = 32 * b + i
+            elif t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):  # byte i: values i and 16 + i
+                value = 32 * b + 16 * j + i
+            else:
+                c = np.asarray(_chunks32(t, k))[i // 32]  # the byte's 32-byte run, lane i % 32
+                if t == T.Q6_K:  # run c = 2h + a of ql: values 128h + 64j + 32a + lane
+                    value = QK_K * b + 128 * (c // 2) + 64 * j + 32 * (c % 2) + i % 32
+                else:  # Q4_K/Q5_K: run c holds sub-blocks 2c (low nibbles) and 2c + 1
+                    value = QK_K * b + 32 * (2 * c + j) + i % 32
+            parts.append(value.ravel())
+    return np.concatenate(parts).astype(np.int32)
+
+
+def _k_scale_min(by: jax.Array, s: int, count: int) -> tuple[jax.Array, jax.Array]:
+    """Q4_K/Q5_K sub-blocks s, s + 2, ... (`count` of them, all below 4 or all from 4 on):
+    6-bit scales and mins int32 [..., count] from the 12 packed scale bytes int32 [..., 12]:
+    for s < 4 the low 6 bits of bytes s and 4 + s; else the nibbles of byte s + 4 with the top
+    2 bits of bytes s - 4 and s above them (one strided slice each: picking them one by one
+    made XLA select per value)."""
+    def at(i: int) -> jax.Array:
+        return by[..., i:i + 2 * count - 1:2]
+
+    if s < 4:
+        return at(s) & 0x3F, at(4 + s) & 0x3F
+    return ((at(s + 4) & 0xF) | ((at(s - 4) >> 6) << 4),
+            (at(s + 4) >> 4) | ((at(s) >> 6) << 4))
 
 
 def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
-    """Decoded values f32 [..., nb, S, L] (gguf's operation order: scale · q, then + offset)."""
+    """Decoded values f32 [..., L] from codes [..., L] and a scale (offset) [...] per run of L
+    (gguf's operation order: scale · q, then + offset)."""
     v = scale[..., None] * q.astype(jnp.float32)
     return v if offset is None else v + offset[..., None]
 
 
-def _code_values(w: GGMLLinear) -> jax.Array:
-    """Every value of w's rows in `code_order`, f32 [N, in] (each code position's
-    `_position_values` over all blocks, one after the other)."""
-    nb = w.in_features // w.block
-    return jnp.concatenate([_position_values(w, 0, nb, j)
-                            for j in range(_positions(w.ggml_type))], axis=-1)
+def _plane_values(w: GGMLLinear, b0: int, b1: int, k: int, j: int) -> jax.Array:
+    """Blocks b0..b1-1 decoded at code plane k, nibble position j (see `code_order`), f32
+    [N, (b1 - b0) · plane bytes] in the order of the codes: gguf's f32 operations in its order
+    (scale · q, then + offset), so every value equals `gguf.quants.dequantize`'s."""
+    t, n, r = T(w.ggml_type), w.out_features, b1 - b0
+    layout = FIELDS[int(t)]
+
+    def plane(f: int, kk: int) -> jax.Array:  # field f's plane kk over the run, int32 [N, r · pb]
+        pb = layout[f][1] // layout[f][2]
+        return _i32(w.fields[f][:, kk, b0 * pb:b1 * pb])
+
+    def per_block(f: int) -> jax.Array:  # a one-plane field over the run, uint8 [N, r, size]
+        size = layout[f][1]
+        return w.fields[f][:, 0, b0 * size:b1 * size].reshape(n, r, size)
+
+    if t == T.Q8_0:
+        q = jax.lax.bitcast_convert_type(w.fields[1][:, 0, b0 * 32:b1 * 32], jnp.int8)
+        return _values(q.reshape(n, r, 32), _f16(per_block(0)), None).reshape(n, -1)
+    if t in (T.Q4_K, T.Q5_K, T.Q6_K):
+        runs = _chunks32(t, k)  # the plane's 32-byte runs of codes, each its own sub-block
+        q = (plane(_code_field(t), k) >> 4 * j) & 0xF  # [N, r · 32 · len(runs)]
+    if t == T.Q6_K:  # runs a and 2 + a (FIELDS): values 128h + 64j + 32a + l, high bits qh[32h + l]
+        a = runs[0]
+        q = (q | (((plane(1, 0) >> (4 * j + 2 * a)) & 3) << 4)) - 32
+        sc = jax.lax.bitcast_convert_type(per_block(2), jnp.int8).astype(jnp.float32)
+        scale = _f16(per_block(3))[..., None] * sc  # [N, r, 16]: sub-blocks of 16 values
+        first = 4 * j + 2 * a  # run 2h + a holds sub-blocks 8h + first and 8h + first + 1
+        scale = scale.reshape(n, r, 2, 8)[..., first:first + 2]  # [N, r, h, 2] (one slice:
+        # picking them one by one made XLA select per value, 6x slower)
+        return _values(q.reshape(n, r, 2, 2, 16), scale, None).reshape(n, -1)
+    if t in (T.Q4_K, T.Q5_K):  # run c holds sub-block s = 2c + j (nibble position j)
+        subs = [2 * c + j for c in runs]
+        if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
+            qh = plane(3, 0).reshape(n, r, 1, 32)
+            shifts = jnp.asarray(subs, jnp.int32)[:, None]
+            q = q.reshape(n, r, len(runs), 32) | (((qh >> shifts) & 1) << 4)
+        by = _i32(per_block(2))  # [N, r, 12]
+        sc, mn = (v.astype(jnp.float32) for v in _k_scale_min(by, subs[0], len(subs)))
+        scale = _f16(per_block(0))[..., None] * sc  # [N, r, runs]
+        offset = -(_f16(per_block(1))[..., None] * mn)
+        return _values(q.reshape(n, r, len(runs), 32), scale, offset).reshape(n, -1)
+    affine, high = t in (T.Q4_1, T.Q5_1), t in (T.Q5_0, T.Q5_1)
+    q = ((plane(len(layout) - 1, 0) >> 4 * j) & 0xF).reshape(n, r, 16)  # values 16j + i
+    if high:  # bit 16j + i of the 32-bit qh is value 16j + i's fifth bit
+        qh = _i32(per_block(len(layout) - 2))
+        bits = qh[..., 2 * j] | (qh[..., 2 * j + 1] << 8)
+        q = q | (((bits[..., None] >> jnp.arange(16, dtype=jnp.int32)) & 1) << 4)
+    d = _f16(per_block(0))  # [N, r]
+    if affine:
+        return _values(q, d, _f16(per_block(1))).reshape(n, -1)
+    return _values(q - (16 if high else 8), d, None).reshape(n, -1)
+
+
+def _plane_parts(w: GGMLLinear) -> list[tuple[int, int]]:
+    """(plane, position) of each dot over a run of blocks, in `code_order`."""
+    planes, positions, _ = _planes(w.ggml_type)
+    return [(k, j) for k in range(planes) for j in range(positions)]
+
+
+def _kquant_rows(w: GGMLLinear) -> jax.Array:
+    """A K-quant weight decoded whole in HF order, f32 [out, in]: every value in one
+    elementwise pass over all planes (the same f32 operations as `_plane_values`, with the
+    plane, position and sub-block as array axes: a stack of the planes' decodings took 1.7x
+    as long in a prefill tile)."""
+    t, n, nb = T(w.ggml_type), w.out_features, w.in_features // w.block
+    j = jnp.arange(2, dtype=jnp.int32)  # nibble position
+
+    def block_field(f: int) -> jax.Array:  # uint8 [N, nb, size]
+        return w.fields[f].reshape(n, nb, -1)
+
+    if t == T.Q6_K:  # ql [N, a, nb, h, l] -> values (h, j, a, l) of each block
+        ql = _i32(w.fields[0].reshape(n, 2, nb, 2, 1, 32))
+        qh = _i32(w.fields[1].reshape(n, 1, nb, 2, 1, 32))
+        jj, aa = j[:, None], jnp.arange(2, dtype=jnp.int32)[:, None, None, None, None]
+        q = ((ql >> 4 * jj) & 0xF) | (((qh >> (4 * jj + 2 * aa)) & 3) << 4)  # [N, a, nb, h, j, l]
+        q = (q - 32).transpose(0, 2, 3, 4, 1, 5).reshape(n, nb, 2, 2, 2, 2, 16)
+        sc = jax.lax.bitcast_convert_type(block_field(2), jnp.int8).astype(jnp.float32)
+        scale = _f16(block_field(3))[..., None] * sc  # [N, nb, 16]: sub-block 8h + 4j + 2a + t
+        return _values(q, scale.reshape(n, nb, 2, 2, 2, 2), None).reshape(n, -1)
+    q = _i32(w.fields[-1].reshape(n, 4, nb, 1, 32))  # [N, c, nb, j, l]: sub-block 2c + j
+    q = ((q >> 4 * j[:, None]) & 0xF).transpose(0, 2, 1, 3, 4)  # [N, nb, c, j, l]
+    if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
+        qh = _i32(block_field(3)).reshape(n, nb, 1, 1, 32)
+        s = (2 * jnp.arange(4, dtype=jnp.int32)[:, None] + j)[..., None]  # [c, j, 1]
+        q = q | (((qh >> s) & 1) << 4)
+    by = _i32(block_field(2))  # [N, nb, 12]
+    low = jnp.arange(8) < 4  # sub-blocks 0-3: low 6 bits of bytes s and 4 + s, else packed
+    sc = jnp.where(low, jnp.tile(by[..., 0:4] & 0x3F, 2),
+                   jnp.tile(by[..., 8:12] & 0xF, 2) | ((jnp.tile(by[..., 0:4], 2) >> 6) << 4))
+    mn = jnp.where(low, jnp.tile(by[..., 4:8] & 0x3F, 2),
+                   jnp.tile(by[..., 8:12] >> 4, 2) | ((jnp.tile(by[..., 4:8], 2) >> 6) << 4))
+    scale = _f16(block_field(0))[..., None] * sc.astype(jnp.float32)  # [N, nb, 8]
+    offset = -(_f16(block_field(1))[..., None] * mn.astype(jnp.float32))
+    return _values(q, scale.reshape(n, nb, 4, 2), offset.reshape(n, nb, 4, 2)).reshape(n, -1)
 
 
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
     """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
-    return _code_values(w)[:, np.argsort(code_order(w))]
+    t, n, nb = T(w.ggml_type), w.out_features, w.in_features // w.block
+    if t in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return _kquant_rows(w)
+    planes, positions, pb = _planes(t)  # one plane: values (j, i) of each block
+    v = jnp.stack([_plane_values(w, 0, nb, k, jj) for k, jj in _plane_parts(w)], axis=1)
+    return v.reshape(n, positions, nb, pb).transpose(0, 2, 1, 3).reshape(n, w.in_features)
 
 
 def dequantize(w: GGMLLinear) -> jax.Array:
@@ -195,8 +348,7 @@ def dequantize(w: GGMLLinear) -> jax.Array:
 def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
     """Rows `ids` int [...] of the weight, f32 [..., in]: the token lookup of an embedding table
     [V, D] stored with out = V (decodes only the gathered rows)."""
-    flat = ids.reshape(-1)
-    rows = dequantize_rows(w.replace(head=w.head[flat], codes=w.codes[flat]))
+    rows = dequantize_rows(_rows(w, ids.reshape(-1)))
     return rows.reshape(*ids.shape, w.in_features)
 
 
@@ -205,23 +357,17 @@ def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
 
 def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     """x [M, in] -> [M, out] (f32 accumulation), decoding `rows` output rows at a time to x's
-    dtype and multiplying them in one dot, so the decoded temporary stays cache-sized (about
-    tile_weights values) and the blocks are the only full-size copy."""
+    dtype (`dequantize_rows`, one fusion) and multiplying them in one dot, so the decoded
+    temporary stays cache-sized (about tile_weights values) and the blocks are the only
+    full-size copy."""
     n = w.out_features
     rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
-    xs = jnp.take(x, jnp.asarray(code_order(w)), axis=1)  # x in the order of the codes
-    nb, pos = w.in_features // w.block, _positions(w.ggml_type)
-    span = w.in_features // pos  # inputs per code position
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
-        def cut(a: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
-
-        sub = w.replace(head=cut(w.head), codes=cut(w.codes))
-        parts = [jax.lax.dot_general(  # one dot per code position: no concatenated copy
-            xs[:, j * span:(j + 1) * span], _position_values(sub, 0, nb, j).astype(x.dtype),
-            (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) for j in range(pos)]
-        return sum(parts[1:], parts[0])
+        sub = w.replace(fields=tuple(jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
+                                     for a in w.fields))
+        return jax.lax.dot_general(x, dequantize_rows(sub).astype(x.dtype),
+                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
 
@@ -233,87 +379,20 @@ def _decode_then_dot(x: jax.Array, w: GGMLLinear) -> jax.Array:
     return _linear_tiled(x, w, size if size <= UNTILED_WEIGHTS else TILE_WEIGHTS)
 
 
-def _positions(ggml_type: int) -> int:
-    """Code positions per code byte: 2 nibbles for the 4/5-bit types, 1 for Q8_0."""
-    return 1 if T(ggml_type) == T.Q8_0 else 2
-
-
-def code_order(w: GGMLLinear) -> np.ndarray:
-    """int32 [in]: the input index of every code as `_position_values` lays them out, position
-    by position (the low nibbles of every code byte of the row, then the high ones): x[:, order]
-    is the input in the order the fused dots read the codes."""
-    t, nb = T(w.ggml_type), w.in_features // w.block
-    if t == T.Q8_0:
-        return np.arange(w.in_features, dtype=np.int32)
-    b = np.arange(nb)
-    if t in (T.Q4_K, T.Q5_K):  # code byte (chunk c, l) holds sub-blocks 2c (low) and 2c + 1
-        c, lane = np.arange(4)[None, :, None], np.arange(32)[None, None, :]
-        parts = [b[:, None, None] * QK_K + (2 * c + j) * 32 + lane for j in range(2)]
-    elif t == T.Q6_K:  # low-nibble byte (half h, m) holds values 128h + m and 128h + 64 + m
-        h, m = np.arange(2)[None, :, None], np.arange(64)[None, None, :]
-        parts = [b[:, None, None] * QK_K + h * 128 + j * 64 + m for j in range(2)]
-    else:  # Q4_x/Q5_x: code byte i holds values i (low nibble) and 16 + i
-        parts = [b[:, None] * 32 + j * 16 + np.arange(16)[None, :] for j in range(2)]
-    return np.concatenate([p.ravel() for p in parts]).astype(np.int32)
-
-
-def _position_values(w: GGMLLinear, b0: int, b1: int, j: int) -> jax.Array:
-    """Blocks b0..b1-1 decoded at code position j (see `code_order`), f32 [N, (b1 - b0) ·
-    code bytes] in the order of the codes: gguf's f32 operations in its order (scale · q,
-    then + offset), so every value equals `gguf.quants.dequantize`'s."""
-    t, n, r = T(w.ggml_type), w.out_features, b1 - b0
-    c0, c1 = CODE_BYTES[int(t)]
-    cb = c1 - c0
-    codes = w.codes[:, b0 * cb:b1 * cb].reshape(n, r, cb)
-    head = w.head.reshape(n, w.in_features // w.block, -1)[:, b0:b1]  # [N, r, head bytes]
-    if t == T.Q8_0:
-        q = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)
-        return _values(q, _f16(head[..., 0:2]), None).reshape(n, -1)
-    if t == T.Q6_K:  # head: qh [64], int8 scales [16], d; value 128h + 64j + 32a + l
-        low = (_i32(codes).reshape(n, r, 2, 2, 32) >> 4 * j) & 0xF  # [N, r, h, a, l]
-        qh = _i32(head[..., 0:64]).reshape(n, r, 2, 1, 32)
-        shifts = (2 * (2 * j + jnp.arange(2, dtype=jnp.int32)))[:, None]  # [a, 1]
-        q = (low | (((qh >> shifts) & 3) << 4)) - 32
-        sc = jax.lax.bitcast_convert_type(head[..., 64:80], jnp.int8).astype(jnp.float32)
-        scale = (_f16(head[..., 80:82])[..., None] * sc).reshape(n, r, 2, 2, 4)[..., j, :]
-        return _values(q.reshape(n, r, 2, 4, 16), scale, None).reshape(n, -1)
-    if t in (T.Q4_K, T.Q5_K):
-        q = (_i32(codes).reshape(n, r, 4, 32) >> 4 * j) & 0xF  # sub-blocks 2c + j
-        if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
-            shifts = (2 * jnp.arange(4, dtype=jnp.int32) + j)[:, None]
-            q = q | (((_i32(head[..., 16:48])[..., None, :] >> shifts) & 1) << 4)
-        d, dmin = _f16(head[..., 0:2]), _f16(head[..., 2:4])
-        sc, mn = _k_scale_min(head[..., 4:4 + K_SCALE_SIZE])
-        scale = (d[..., None] * sc.reshape(n, r, 8).astype(jnp.float32))[..., j::2]
-        offset = -(dmin[..., None] * mn.reshape(n, r, 8).astype(jnp.float32))[..., j::2]
-        return _values(q, scale, offset).reshape(n, -1)
-    affine, high = t in (T.Q4_1, T.Q5_1), t in (T.Q5_0, T.Q5_1)
-    q = (_i32(codes) >> 4 * j) & 0xF  # [N, r, 16]: values 16j + i
-    if high:  # bit 16j + i of the 32-bit qh (after d, m) is value 16j + i's fifth bit
-        at = (4 if affine else 2) + 2 * j
-        bits = _i32(head[..., at]) | (_i32(head[..., at + 1]) << 8)
-        q = q | (((bits[..., None] >> jnp.arange(16, dtype=jnp.int32)) & 1) << 4)
-    d = _f16(head[..., 0:2])  # [N, r]
-    if affine:
-        return _values(q, d, _f16(head[..., 2:4])).reshape(n, -1)
-    return _values(q - (16 if high else 8), d, None).reshape(n, -1)
-
-
 def _linear_fused(x: jax.Array, w: GGMLLinear) -> jax.Array:
     """x [M, in] -> [M, out] f32 for a few rows M (decode): per row, vector · decode(W)ᵀ in
     runs of whole blocks (`tqjax.quant.tiling`), so the only bytes read are the file's blocks
-    and nothing is written: one dot per code position and run reads the codes in order
-    against x taken once in `code_order` (SmolLM2's Q4_1 576 -> 1536: 0.07 ms against 0.43 ms
-    decoding whole blocks, the f32 weight's dot 0.11 ms; issue 22, stop 39).
+    and nothing is written: one dot per run, code plane and position reads that plane's codes
+    in order against x taken once in `code_order` (see the module docstring for the times).
     """
     nb = w.in_features // w.block
-    runs = run_edges(nb, w.type_size, w.block, tiling.GGML_FUSED_VALUES)  # in blocks
+    _, _, pb = _planes(w.ggml_type)
+    runs = run_edges(nb, pb, pb, tiling.GGML_FUSED_VALUES)  # in blocks
     spans = list(zip(runs[:-1], runs[1:], strict=True))
-    cb = CODE_BYTES[int(w.ggml_type)][1] - CODE_BYTES[int(w.ggml_type)][0]
     xs = jnp.take(x.astype(jnp.float32), jnp.asarray(code_order(w)), axis=1)  # [M, in]
-    # (offset in xs, length, decoded values [N, length]) per run and code position
-    parts = [((j * nb + b0) * cb, (b1 - b0) * cb, _position_values(w, b0, b1, j))
-             for b0, b1 in spans for j in range(_positions(w.ggml_type))]
+    # (offset in xs, length, decoded values [N, length]) per run, plane and position
+    parts = [((i * nb + b0) * pb, (b1 - b0) * pb, _plane_values(w, b0, b1, k, j))
+             for b0, b1 in spans for i, (k, j) in enumerate(_plane_parts(w))]
 
     def row(xv: jax.Array) -> jax.Array:  # [in] -> [N]
         return sum_parts([jnp.dot(xv[a:a + size], v.T) for a, size, v in parts])

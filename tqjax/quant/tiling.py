@@ -25,9 +25,10 @@ import jax.numpy as jnp
 
 FUSED_ROWS = 4  # inputs of up to this many rows (decode steps) take the fused dots on CPU
 FUSED_BYTES = 4096  # a fused vector-matrix dot reads fewer than this many bytes of each row
-# GGUF's K-quant decoders (packed 6-bit sub-block scales, Q6_K's high bits) also slow down with
-# long runs well under the byte limit (4864x896 Q4_K: 2.7 ms in runs of <= 2048 values, 7.6 ms
-# as one run of 2736 bytes; 8960x1536 Q6_K 17.6 vs 60 ms), so GGUF runs stay at most this long
+# A GGUF dot reads one code plane (`tqjax.quant.ggml`) of at most this many values per run:
+# with the codes read from whole blocks, runs of more slowed down well under the byte limit
+# (4864x896 Q4_K: 2.7 ms in runs of <= 2048 values, 7.6 ms as one run); with planes, runs of
+# 1024, 2048 and 4096 values measured alike (8960x1536 Q6_K 2.2 / 2.1 / 2.4 ms, stop 44)
 GGML_FUSED_VALUES = 2048
 
 
