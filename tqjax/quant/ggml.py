@@ -293,6 +293,14 @@ def _plane_parts(w: GGMLLinear) -> list[tuple[int, int]]:
     return [(k, j) for k in range(planes) for j in range(positions)]
 
 
+def _code_values(w: GGMLLinear) -> jax.Array:
+    """Every value of w's rows in `code_order`, f32 [N, in]: each plane and position decoded
+    over all blocks, one after the other (one concatenating fusion that reads each plane in
+    order; putting the values in HF order in the same pass took 2.6-4x as long)."""
+    nb = w.in_features // w.block
+    return jnp.concatenate([_plane_values(w, 0, nb, k, j) for k, j in _plane_parts(w)], axis=-1)
+
+
 def _kquant_rows(w: GGMLLinear) -> jax.Array:
     """A K-quant weight decoded whole in HF order, f32 [out, in]: every value in one
     elementwise pass over all planes (the same f32 operations as `_plane_values`, with the
@@ -332,12 +340,9 @@ def _kquant_rows(w: GGMLLinear) -> jax.Array:
 
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
     """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
-    t, n, nb = T(w.ggml_type), w.out_features, w.in_features // w.block
-    if t in (T.Q4_K, T.Q5_K, T.Q6_K):
+    if T(w.ggml_type) in (T.Q4_K, T.Q5_K, T.Q6_K):
         return _kquant_rows(w)
-    planes, positions, pb = _planes(t)  # one plane: values (j, i) of each block
-    v = jnp.stack([_plane_values(w, 0, nb, k, jj) for k, jj in _plane_parts(w)], axis=1)
-    return v.reshape(n, positions, nb, pb).transpose(0, 2, 1, 3).reshape(n, w.in_features)
+    return _code_values(w)[:, np.argsort(code_order(w))]
 
 
 def dequantize(w: GGMLLinear) -> jax.Array:
@@ -357,17 +362,31 @@ def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
 
 def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     """x [M, in] -> [M, out] (f32 accumulation), decoding `rows` output rows at a time to x's
-    dtype (`dequantize_rows`, one fusion) and multiplying them in one dot, so the decoded
-    temporary stays cache-sized (about tile_weights values) and the blocks are the only
-    full-size copy."""
+    dtype and multiplying them, so the decoded temporary stays cache-sized (about
+    tile_weights values) and the blocks are the only full-size copy: a K-quant tile decoded
+    whole in HF order (`_kquant_rows`) for one dot with x; the other types' 2 positions
+    (`_plane_values`) a dot each with x taken once in `code_order`. Measured at M = 128
+    against the planes' 8 dots or one dot of their concatenation: about as fast, and the
+    1.5B model's prefill program kept 235 MB, not 585 (docs/research.md, stop 44)."""
     n = w.out_features
     rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
+    kquant = T(w.ggml_type) in (T.Q4_K, T.Q5_K, T.Q6_K)
+    xs = x if kquant else jnp.take(x, jnp.asarray(code_order(w)), axis=1)
+    nb, parts = w.in_features // w.block, _plane_parts(w)
+    dims = (((1,), (1,)), ((), ()))
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
         sub = w.replace(fields=tuple(jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
                                      for a in w.fields))
-        return jax.lax.dot_general(x, dequantize_rows(sub).astype(x.dtype),
-                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if kquant:
+            return jax.lax.dot_general(x, _kquant_rows(sub).astype(x.dtype), dims,
+                                       preferred_element_type=jnp.float32)
+        span = w.in_features // len(parts)
+        ys = [jax.lax.dot_general(xs[:, i * span:(i + 1) * span],
+                                  _plane_values(sub, 0, nb, k, j).astype(x.dtype), dims,
+                                  preferred_element_type=jnp.float32)
+              for i, (k, j) in enumerate(parts)]
+        return sum(ys[1:], ys[0])
 
     return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
 
