@@ -58,6 +58,7 @@ from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
 T = GGMLQuantizationType
 SUPPORTED_TYPES: tuple[int, ...] = tuple(int(t) for t in (
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K))
+KQUANTS: tuple[int, ...] = tuple(int(t) for t in (T.Q4_K, T.Q5_K, T.Q6_K))  # 256-value blocks
 QK_K = 256
 TILE_WEIGHTS = 1 << 20  # values decoded per step of `_linear_tiled` (4 MiB of f32)
 UNTILED_WEIGHTS = 1 << 23  # weights up to this size are decoded whole (one dot, no loop)
@@ -200,7 +201,7 @@ def code_order(w: GGMLLinear) -> np.ndarray:
             b, i = np.arange(nb)[:, None], np.arange(pb)[None, :]
             if t == T.Q8_0:
                 value = 32 * b + i
-            elif t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):  # byte i: values i and 16 + i
+            elif int(t) not in KQUANTS:  # Q4_x/Q5_x: byte i holds values i and 16 + i
                 value = 32 * b + 16 * j + i
             else:
                 c = np.asarray(_chunks32(t, k))[i // 32]  # the byte's 32-byte run, lane i % 32
@@ -212,19 +213,14 @@ def code_order(w: GGMLLinear) -> np.ndarray:
     return np.concatenate(parts).astype(np.int32)
 
 
-def _k_scale_min(by: jax.Array, s: int, count: int) -> tuple[jax.Array, jax.Array]:
-    """Q4_K/Q5_K sub-blocks s, s + 2, ... (`count` of them, all below 4 or all from 4 on):
-    6-bit scales and mins int32 [..., count] from the 12 packed scale bytes int32 [..., 12]:
-    for s < 4 the low 6 bits of bytes s and 4 + s; else the nibbles of byte s + 4 with the top
-    2 bits of bytes s - 4 and s above them (one strided slice each: picking them one by one
-    made XLA select per value)."""
-    def at(i: int) -> jax.Array:
-        return by[..., i:i + 2 * count - 1:2]
-
+def _k_scale_min(by: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
+    """Q4_K/Q5_K sub-block s's 6-bit scale and min, int32 [...], from the 12 packed scale
+    bytes int32 [..., 12]: for s < 4 the low 6 bits of bytes s and 4 + s; else the nibbles of
+    byte s + 4 with the top 2 bits of bytes s - 4 and s above them."""
     if s < 4:
-        return at(s) & 0x3F, at(4 + s) & 0x3F
-    return ((at(s + 4) & 0xF) | ((at(s - 4) >> 6) << 4),
-            (at(s + 4) >> 4) | ((at(s) >> 6) << 4))
+        return by[..., s] & 0x3F, by[..., 4 + s] & 0x3F
+    return ((by[..., s + 4] & 0xF) | ((by[..., s - 4] >> 6) << 4),
+            (by[..., s + 4] >> 4) | ((by[..., s] >> 6) << 4))
 
 
 def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
@@ -252,7 +248,7 @@ def _plane_values(w: GGMLLinear, b0: int, b1: int, k: int, j: int) -> jax.Array:
     if t == T.Q8_0:
         q = jax.lax.bitcast_convert_type(w.fields[1][:, 0, b0 * 32:b1 * 32], jnp.int8)
         return _values(q.reshape(n, r, 32), _f16(per_block(0)), None).reshape(n, -1)
-    if t in (T.Q4_K, T.Q5_K, T.Q6_K):
+    if int(t) in KQUANTS:
         runs = _chunks32(t, k)  # the plane's 32-byte runs of codes, each its own sub-block
         q = (plane(_code_field(t), k) >> 4 * j) & 0xF  # [N, r · 32 · len(runs)]
     if t == T.Q6_K:  # runs a and 2 + a (FIELDS): values 128h + 64j + 32a + l, high bits qh[32h + l]
@@ -264,17 +260,14 @@ def _plane_values(w: GGMLLinear, b0: int, b1: int, k: int, j: int) -> jax.Array:
         scale = scale.reshape(n, r, 2, 8)[..., first:first + 2]  # [N, r, h, 2] (one slice:
         # picking them one by one made XLA select per value, 6x slower)
         return _values(q.reshape(n, r, 2, 2, 16), scale, None).reshape(n, -1)
-    if t in (T.Q4_K, T.Q5_K):  # run c holds sub-block s = 2c + j (nibble position j)
-        subs = [2 * c + j for c in runs]
+    if t in (T.Q4_K, T.Q5_K):  # plane k is run k (FIELDS): sub-block s = 2k + j
+        s = 2 * runs[0] + j
         if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
-            qh = plane(3, 0).reshape(n, r, 1, 32)
-            shifts = jnp.asarray(subs, jnp.int32)[:, None]
-            q = q.reshape(n, r, len(runs), 32) | (((qh >> shifts) & 1) << 4)
-        by = _i32(per_block(2))  # [N, r, 12]
-        sc, mn = (v.astype(jnp.float32) for v in _k_scale_min(by, subs[0], len(subs)))
-        scale = _f16(per_block(0))[..., None] * sc  # [N, r, runs]
-        offset = -(_f16(per_block(1))[..., None] * mn)
-        return _values(q.reshape(n, r, len(runs), 32), scale, offset).reshape(n, -1)
+            q = q | (((plane(3, 0) >> s) & 1) << 4)
+        sc, mn = (v.astype(jnp.float32) for v in _k_scale_min(_i32(per_block(2)), s))
+        scale = _f16(per_block(0)) * sc  # [N, r]
+        offset = -(_f16(per_block(1)) * mn)
+        return _values(q.reshape(n, r, 32), scale, offset).reshape(n, -1)
     affine, high = t in (T.Q4_1, T.Q5_1), t in (T.Q5_0, T.Q5_1)
     q = ((plane(len(layout) - 1, 0) >> 4 * j) & 0xF).reshape(n, r, 16)  # values 16j + i
     if high:  # bit 16j + i of the 32-bit qh is value 16j + i's fifth bit
@@ -295,8 +288,7 @@ def _plane_parts(w: GGMLLinear) -> list[tuple[int, int]]:
 
 def _code_values(w: GGMLLinear) -> jax.Array:
     """Every value of w's rows in `code_order`, f32 [N, in]: each plane and position decoded
-    over all blocks, one after the other (one concatenating fusion that reads each plane in
-    order; putting the values in HF order in the same pass took 2.6-4x as long)."""
+    over all blocks, one after the other."""
     nb = w.in_features // w.block
     return jnp.concatenate([_plane_values(w, 0, nb, k, j) for k, j in _plane_parts(w)], axis=-1)
 
@@ -304,8 +296,7 @@ def _code_values(w: GGMLLinear) -> jax.Array:
 def _kquant_rows(w: GGMLLinear) -> jax.Array:
     """A K-quant weight decoded whole in HF order, f32 [out, in]: every value in one
     elementwise pass over all planes (the same f32 operations as `_plane_values`, with the
-    plane, position and sub-block as array axes: a stack of the planes' decodings took 1.7x
-    as long in a prefill tile)."""
+    plane, position and sub-block as array axes)."""
     t, n, nb = T(w.ggml_type), w.out_features, w.in_features // w.block
     j = jnp.arange(2, dtype=jnp.int32)  # nibble position
 
@@ -340,7 +331,7 @@ def _kquant_rows(w: GGMLLinear) -> jax.Array:
 
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
     """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
-    if T(w.ggml_type) in (T.Q4_K, T.Q5_K, T.Q6_K):
+    if int(w.ggml_type) in KQUANTS:
         return _kquant_rows(w)
     return _code_values(w)[:, np.argsort(code_order(w))]
 
@@ -370,7 +361,7 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     1.5B model's prefill program kept 235 MB, not 585 (docs/research.md, stop 44)."""
     n = w.out_features
     rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
-    kquant = T(w.ggml_type) in (T.Q4_K, T.Q5_K, T.Q6_K)
+    kquant = int(w.ggml_type) in KQUANTS
     xs = x if kquant else jnp.take(x, jnp.asarray(code_order(w)), axis=1)
     nb, parts = w.in_features // w.block, _plane_parts(w)
     dims = (((1,), (1,)), ((), ()))
