@@ -223,6 +223,17 @@ def _k_scale_min(by: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
             (by[..., s + 4] >> 4) | ((by[..., s] >> 6) << 4))
 
 
+def _k_scales8(by: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """All 8 sub-blocks' scales and mins (`_k_scale_min`), int32 [..., 8], from the packed
+    bytes int32 [..., 12], as one array each."""
+    low = jnp.arange(8) < 4  # sub-blocks 0-3: low 6 bits of bytes s and 4 + s, else packed
+    sc = jnp.where(low, jnp.tile(by[..., 0:4] & 0x3F, 2),
+                   jnp.tile(by[..., 8:12] & 0xF, 2) | ((jnp.tile(by[..., 0:4], 2) >> 6) << 4))
+    mn = jnp.where(low, jnp.tile(by[..., 4:8] & 0x3F, 2),
+                   jnp.tile(by[..., 8:12] >> 4, 2) | ((jnp.tile(by[..., 4:8], 2) >> 6) << 4))
+    return sc, mn
+
+
 def _values(q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
     """Decoded values f32 [..., L] from codes [..., L] and a scale (offset) [...] per run of L
     (gguf's operation order: scale · q, then + offset)."""
@@ -318,15 +329,34 @@ def _kquant_rows(w: GGMLLinear) -> jax.Array:
         qh = _i32(block_field(3)).reshape(n, nb, 1, 1, 32)
         s = (2 * jnp.arange(4, dtype=jnp.int32)[:, None] + j)[..., None]  # [c, j, 1]
         q = q | (((qh >> s) & 1) << 4)
-    by = _i32(block_field(2))  # [N, nb, 12]
-    low = jnp.arange(8) < 4  # sub-blocks 0-3: low 6 bits of bytes s and 4 + s, else packed
-    sc = jnp.where(low, jnp.tile(by[..., 0:4] & 0x3F, 2),
-                   jnp.tile(by[..., 8:12] & 0xF, 2) | ((jnp.tile(by[..., 0:4], 2) >> 6) << 4))
-    mn = jnp.where(low, jnp.tile(by[..., 4:8] & 0x3F, 2),
-                   jnp.tile(by[..., 8:12] >> 4, 2) | ((jnp.tile(by[..., 4:8], 2) >> 6) << 4))
+    sc, mn = _k_scales8(_i32(block_field(2)))  # [N, nb, 8]
     scale = _f16(block_field(0))[..., None] * sc.astype(jnp.float32)  # [N, nb, 8]
     offset = -(_f16(block_field(1))[..., None] * mn.astype(jnp.float32))
     return _values(q, scale.reshape(n, nb, 4, 2), offset.reshape(n, nb, 4, 2)).reshape(n, -1)
+
+
+def _position_order(w: GGMLLinear) -> np.ndarray:
+    """int32 [in]: `code_order` position by position (each position's planes one after the
+    other): x[:, order] is the input in the order of `_position_values` for j = 0, 1, ..."""
+    planes, positions, _ = _planes(w.ggml_type)
+    return code_order(w).reshape(planes, positions, -1).transpose(1, 0, 2).ravel()
+
+
+def _position_values(w: GGMLLinear, j: int) -> jax.Array:
+    """Every value at nibble position j of every plane, f32 [N, in / positions] (planes one
+    after the other, each block after block in the plane's order; Q6_K is not decoded so)."""
+    t, n, nb = T(w.ggml_type), w.out_features, w.in_features // w.block
+    if t not in (T.Q4_K, T.Q5_K):
+        return _plane_values(w, 0, nb, 0, j)  # one plane
+    q = (_i32(w.fields[-1].reshape(n, 4, nb, 32)) >> 4 * j) & 0xF  # [N, c, nb, l]
+    if t == T.Q5_K:  # bit 2c + j of qh[l] is sub-block 2c + j's fifth bit
+        qh = _i32(w.fields[3].reshape(n, 1, nb, 32))
+        q = q | (((qh >> (2 * jnp.arange(4, dtype=jnp.int32) + j)[:, None, None]) & 1) << 4)
+    sc, mn = (jnp.swapaxes(v[..., j::2], 1, 2).astype(jnp.float32)  # [N, c, nb]: 2c + j
+              for v in _k_scales8(_i32(w.fields[2].reshape(n, nb, 12))))
+    scale = _f16(w.fields[0].reshape(n, 1, nb, 2)) * sc
+    offset = -(_f16(w.fields[1].reshape(n, 1, nb, 2)) * mn)
+    return _values(q, scale, offset).reshape(n, -1)
 
 
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
@@ -354,29 +384,29 @@ def gather_rows(w: GGMLLinear, ids: jax.Array) -> jax.Array:
 def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     """x [M, in] -> [M, out] (f32 accumulation), decoding `rows` output rows at a time to x's
     dtype and multiplying them, so the decoded temporary stays cache-sized (about
-    tile_weights values) and the blocks are the only full-size copy: a K-quant tile decoded
-    whole in HF order (`_kquant_rows`) for one dot with x; the other types' 2 positions
-    (`_plane_values`) a dot each with x taken once in `code_order`. Measured at M = 128
-    against the planes' 8 dots or one dot of their concatenation: about as fast, and the
-    1.5B model's prefill program kept 235 MB, not 585 (docs/research.md, stop 44)."""
+    tile_weights values) and the blocks are the only full-size copy. Each nibble position's
+    values (`_position_values`) get a dot with x taken once in their order; Q6_K's tile is
+    decoded whole in HF order (`_kquant_rows`) for one dot. Measured at M = 128 against one
+    dot per plane and position, or one dot of their concatenation (docs/research.md, stop
+    44): as fast or faster, in programs up to 2.5x smaller."""
     n = w.out_features
     rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
-    kquant = int(w.ggml_type) in KQUANTS
-    xs = x if kquant else jnp.take(x, jnp.asarray(code_order(w)), axis=1)
-    nb, parts = w.in_features // w.block, _plane_parts(w)
+    whole = T(w.ggml_type) == T.Q6_K
+    xs = x if whole else jnp.take(x, jnp.asarray(_position_order(w)), axis=1)
+    positions = _planes(w.ggml_type)[1]
+    span = w.in_features // positions
     dims = (((1,), (1,)), ((), ()))
 
     def tile(start: Any, size: int) -> jax.Array:  # y[:, start:start + size]
         sub = w.replace(fields=tuple(jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
                                      for a in w.fields))
-        if kquant:
+        if whole:
             return jax.lax.dot_general(x, _kquant_rows(sub).astype(x.dtype), dims,
                                        preferred_element_type=jnp.float32)
-        span = w.in_features // len(parts)
-        ys = [jax.lax.dot_general(xs[:, i * span:(i + 1) * span],
-                                  _plane_values(sub, 0, nb, k, j).astype(x.dtype), dims,
+        ys = [jax.lax.dot_general(xs[:, j * span:(j + 1) * span],
+                                  _position_values(sub, j).astype(x.dtype), dims,
                                   preferred_element_type=jnp.float32)
-              for i, (k, j) in enumerate(parts)]
+              for j in range(positions)]
         return sum(ys[1:], ys[0])
 
     return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
