@@ -69,10 +69,11 @@ def _time(comps: dict, args: tuple, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-GGML_CASES = (  # (in, out, type): SmolLM2 (Q4_1, Q8_0 head), Qwen2.5-Coder 0.5B / 1.5B (Q4_K_M)
+GGML_CASES = (  # (in, out, type): SmolLM2 (Q4_1, Q8_0 head), Qwen2.5-Coder 0.5B / 1.5B (Q4_K_M,
+    # the 1.5B's untied Q6_K head); Q5_K (Q5_K_M files) on a 0.5B shape
     (576, 1536, "Q4_1"), (1536, 576, "Q4_1"), (576, 49152, "Q8_0"), (896, 4864, "Q5_0"),
-    (4864, 896, "Q4_K"), (4864, 896, "Q6_K"), (896, 151936, "Q8_0"), (1536, 8960, "Q4_K"),
-    (8960, 1536, "Q6_K"), (1536, 1536, "Q4_K"))
+    (4864, 896, "Q4_K"), (4864, 896, "Q6_K"), (4864, 896, "Q5_K"), (896, 151936, "Q8_0"),
+    (1536, 8960, "Q4_K"), (8960, 1536, "Q6_K"), (1536, 1536, "Q4_K"), (1536, 151936, "Q6_K"))
 
 
 def ggml_main(repeats: int, as_json: bool) -> int:
