@@ -20,8 +20,9 @@ values:
     Q6_K    256   210  16 × 16      6 bits − 32    d·sc (i8)    -
 
 and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in
-the same order): `_plane_values` for the fused dots of a decode step, `_kquant_rows` for whole
-K-quant rows (decode-then-dot, lookups). The bytes are the file's, each block cut into its
+the same order): `_plane_values` for the fused dots of a decode step, `_position_values` (one
+nibble position of every plane) and `_kquant_rows` (whole K-quant rows in HF order) for
+decode-then-dot and lookups. The bytes are the file's, each block cut into its
 fields (`tqjax.pallas.ggml_matmul.FIELDS`: d, the scales, the codes, ...), each field held as
 its own array [N, planes, blocks · plane bytes]: the codes cut into planes (runs of 32 bytes
 dealt round-robin), each plane block after block. A decode step's fused dots then read, per
