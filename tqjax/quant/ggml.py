@@ -21,7 +21,7 @@ values:
 
 and the decoders here reproduce `gguf.quants.dequantize` bit for bit (same f32 operations in
 the same order): `_plane_values` for the fused dots of a decode step, `_position_values` (one
-nibble position of every plane) and `_kquant_rows` (whole K-quant rows in HF order) for
+nibble position of every plane) and `_q6k_rows` (whole Q6_K rows in HF order) for
 decode-then-dot and lookups. The bytes are the file's, each block cut into its
 fields (`tqjax.pallas.ggml_matmul.FIELDS`: d, the scales, the codes, ...), each field held as
 its own array [N, planes, blocks · plane bytes]: the codes cut into planes (runs of 32 bytes
@@ -298,42 +298,20 @@ def _plane_parts(w: GGMLLinear) -> list[tuple[int, int]]:
     return [(k, j) for k in range(planes) for j in range(positions)]
 
 
-def _code_values(w: GGMLLinear) -> jax.Array:
-    """Every value of w's rows in `code_order`, f32 [N, in]: each plane and position decoded
-    over all blocks, one after the other."""
-    nb = w.in_features // w.block
-    return jnp.concatenate([_plane_values(w, 0, nb, k, j) for k, j in _plane_parts(w)], axis=-1)
-
-
-def _kquant_rows(w: GGMLLinear) -> jax.Array:
-    """A K-quant weight decoded whole in HF order, f32 [out, in]: every value in one
-    elementwise pass over all planes (the same f32 operations as `_plane_values`, with the
-    plane, position and sub-block as array axes)."""
-    t, n, nb = T(w.ggml_type), w.out_features, w.in_features // w.block
-    j = jnp.arange(2, dtype=jnp.int32)  # nibble position
-
-    def block_field(f: int) -> jax.Array:  # uint8 [N, nb, size]
-        return w.fields[f].reshape(n, nb, -1)
-
-    if t == T.Q6_K:  # ql [N, a, nb, h, l] -> values (h, j, a, l) of each block
-        ql = _i32(w.fields[0].reshape(n, 2, nb, 2, 1, 32))
-        qh = _i32(w.fields[1].reshape(n, 1, nb, 2, 1, 32))
-        jj, aa = j[:, None], jnp.arange(2, dtype=jnp.int32)[:, None, None, None, None]
-        q = ((ql >> 4 * jj) & 0xF) | (((qh >> (4 * jj + 2 * aa)) & 3) << 4)  # [N, a, nb, h, j, l]
-        q = (q - 32).transpose(0, 2, 3, 4, 1, 5).reshape(n, nb, 2, 2, 2, 2, 16)
-        sc = jax.lax.bitcast_convert_type(block_field(2), jnp.int8).astype(jnp.float32)
-        scale = _f16(block_field(3))[..., None] * sc  # [N, nb, 16]: sub-block 8h + 4j + 2a + t
-        return _values(q, scale.reshape(n, nb, 2, 2, 2, 2), None).reshape(n, -1)
-    q = _i32(w.fields[-1].reshape(n, 4, nb, 1, 32))  # [N, c, nb, j, l]: sub-block 2c + j
-    q = ((q >> 4 * j[:, None]) & 0xF).transpose(0, 2, 1, 3, 4)  # [N, nb, c, j, l]
-    if t == T.Q5_K:  # bit s of qh[l] is sub-block s's fifth bit
-        qh = _i32(block_field(3)).reshape(n, nb, 1, 1, 32)
-        s = (2 * jnp.arange(4, dtype=jnp.int32)[:, None] + j)[..., None]  # [c, j, 1]
-        q = q | (((qh >> s) & 1) << 4)
-    sc, mn = _k_scales8(_i32(block_field(2)))  # [N, nb, 8]
-    scale = _f16(block_field(0))[..., None] * sc.astype(jnp.float32)  # [N, nb, 8]
-    offset = -(_f16(block_field(1))[..., None] * mn.astype(jnp.float32))
-    return _values(q, scale.reshape(n, nb, 4, 2), offset.reshape(n, nb, 4, 2)).reshape(n, -1)
+def _q6k_rows(w: GGMLLinear) -> jax.Array:
+    """A Q6_K weight decoded whole in HF order, f32 [out, in]: every value in one elementwise
+    pass over both planes (the same f32 operations as `_plane_values`, with the plane,
+    position and sub-block as array axes)."""
+    n, nb = w.out_features, w.in_features // w.block
+    jj = jnp.arange(2, dtype=jnp.int32)[:, None]  # nibble position
+    aa = jnp.arange(2, dtype=jnp.int32)[:, None, None, None, None]  # plane
+    ql = _i32(w.fields[0].reshape(n, 2, nb, 2, 1, 32))  # [N, a, nb, h, j, l]
+    qh = _i32(w.fields[1].reshape(n, 1, nb, 2, 1, 32))
+    q = ((ql >> 4 * jj) & 0xF) | (((qh >> (4 * jj + 2 * aa)) & 3) << 4)
+    q = (q - 32).transpose(0, 2, 3, 4, 1, 5).reshape(n, nb, 2, 2, 2, 2, 16)  # values (h, j, a, l)
+    sc = jax.lax.bitcast_convert_type(w.fields[2].reshape(n, nb, 16), jnp.int8)
+    scale = _f16(w.fields[3].reshape(n, nb, 2))[..., None] * sc.astype(jnp.float32)
+    return _values(q, scale.reshape(n, nb, 2, 2, 2, 2), None).reshape(n, -1)  # 8h + 4j + 2a + t
 
 
 def _position_order(w: GGMLLinear) -> np.ndarray:
@@ -361,10 +339,16 @@ def _position_values(w: GGMLLinear, j: int) -> jax.Array:
 
 
 def dequantize_rows(w: GGMLLinear) -> jax.Array:
-    """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`)."""
-    if int(w.ggml_type) in KQUANTS:
-        return _kquant_rows(w)
-    return _code_values(w)[:, np.argsort(code_order(w))]
+    """The weight as HF stores it, f32 [out, in] (equal to `gguf.quants.dequantize`): Q6_K by
+    `_q6k_rows`, the rest as their `_position_values` put in HF order (each block's values
+    run plane by plane, each plane's position by position)."""
+    if T(w.ggml_type) == T.Q6_K:
+        return _q6k_rows(w)
+    n, nb = w.out_features, w.in_features // w.block
+    planes, positions, pb = _planes(w.ggml_type)
+    v = jnp.stack([_position_values(w, j) for j in range(positions)], axis=1)
+    v = v.reshape(n, positions, planes, nb, pb).transpose(0, 3, 2, 1, 4)
+    return v.reshape(n, w.in_features)
 
 
 def dequantize(w: GGMLLinear) -> jax.Array:
@@ -387,7 +371,7 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     dtype and multiplying them, so the decoded temporary stays cache-sized (about
     tile_weights values) and the blocks are the only full-size copy. Each nibble position's
     values (`_position_values`) get a dot with x taken once in their order; Q6_K's tile is
-    decoded whole in HF order (`_kquant_rows`) for one dot. Measured at M = 128 against one
+    decoded whole in HF order (`_q6k_rows`) for one dot. Measured at M = 128 against one
     dot per plane and position, or one dot of their concatenation (docs/research.md, stop
     44): as fast or faster, in programs up to 2.5x smaller."""
     n = w.out_features
@@ -402,7 +386,7 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
         sub = w.replace(fields=tuple(jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
                                      for a in w.fields))
         if whole:
-            return jax.lax.dot_general(x, _kquant_rows(sub).astype(x.dtype), dims,
+            return jax.lax.dot_general(x, _q6k_rows(sub).astype(x.dtype), dims,
                                        preferred_element_type=jnp.float32)
         ys = [jax.lax.dot_general(xs[:, j * span:(j + 1) * span],
                                   _position_values(sub, j).astype(x.dtype), dims,
