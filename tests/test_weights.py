@@ -1000,6 +1000,31 @@ def test_gptq_batches_rows_as_one_row_loop_would(fmt, monkeypatch):
     np.testing.assert_allclose(err[0], err[1], rtol=2e-3)
 
 
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_quantizer_drops_its_programs_after_the_embedding_and_before_the_head(
+        tiny, monkeypatch, calibrated):
+    """The embedding's and the layers' quantizer programs are not run again: jax's caches are
+    cleared right after a quantized embedding and right before the head, and the result is
+    the same as without clearing."""
+    from tqjax.models import quantize as mq
+
+    cal = np.random.default_rng(5).integers(0, 256, (2, 24)).astype(np.int32) if calibrated \
+        else None
+    spec = WeightSpec("tq4", quantize_embeddings=True)
+    want = quantize_params(tiny.params, tiny.config, spec, cal)
+    events: list = []
+    quantize_linear = mq.quantize_linear
+    monkeypatch.setattr(mq, "quantize_linear", lambda w, fmt, *a: (
+        events.append(tuple(w.shape)) or quantize_linear(w, fmt, *a)))
+    monkeypatch.setattr(mq.jax, "clear_caches", lambda: events.append("clear"))
+    got = quantize_params(tiny.params, tiny.config, spec, cal)
+    embed_t, head = tiny.params.embed.shape[::-1], tiny.params.lm_head.shape
+    assert events[:2] == [embed_t, "clear"] and events[-2:] == ["clear", head]
+    assert events.count("clear") == 2
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_mixed_factors_a_shared_gram_in_place_last_and_bounds_its_programs(tiny, monkeypatch):
     """Linears that share a Gram but differ in basis (group size) get one factor per basis; the
     Gram is factored in place (consumed) only by the last basis any of them needs. With at

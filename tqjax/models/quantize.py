@@ -210,6 +210,13 @@ def _gram(acts: list[jax.Array]) -> np.ndarray:
 Quantizer = Callable[[str, Any, jax.Array], Any]
 
 
+def drop_programs() -> None:
+    """Free jax's compiled programs (`jax.clear_caches`, any caller's too: they compile again
+    when next run) and return the freed heap (`trim_heap`)."""
+    jax.clear_caches()
+    trim_heap()
+
+
 def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, quantize: Quantizer,
                    head: bool, dense_layer: Callable[[int], LayerParams] | None = None
                    ) -> tuple[Params, list[jax.Array]]:
@@ -485,9 +492,9 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     Compiled programs are resident while jax caches them, so this clears jax's caches
-    (`jax.clear_caches`) after "mixed" has measured its formats and whenever more than
-    `KEPT_PROGRAMS` formats and shapes have been quantized since: the caller's own jitted
-    functions then compile again on their next call.
+    (`drop_programs`) after "mixed" has measured its formats, after a quantized embedding,
+    before the head and whenever more than `KEPT_PROGRAMS` formats and shapes have been
+    quantized since: the caller's own jitted functions then compile again on their next call.
     """
     if isinstance(params, Checkpoint) and params.blocks:
         raise TqjaxError("a checkpoint opened with its GGUF blocks kept is not quantized again")
@@ -509,11 +516,11 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
         embed = params.embed if source else params.embed.T
         params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
+        drop_programs()  # its programs are not run again (the head's are GPTQ's or its own)
     layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
     formats = weight_formats(params, config, spec, paths, windows, progress, layer)
     if spec.method == MIXED:
-        jax.clear_caches()  # the measuring's programs (Fisher pass, one per format and shape)
-        trim_heap()
+        drop_programs()  # the measuring's programs (Fisher pass, one per format and shape)
     bar = tqdm(total=len(paths), desc=f"quantizing ({spec.method})", unit="tensor",
                disable=None if progress else True, leave=False)
     gram: list[Any] = [None]  # the Gram the cached factors belong to
@@ -532,9 +539,9 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     def quantize(path: str, w: jax.Array | Columns, hessian: jax.Array | None
                  ) -> QuantizedLinear:
         fmt, k = formats[path], w.shape[0]
-        if (fmt, w.shape) not in programs and len(programs) >= KEPT_PROGRAMS:
-            jax.clear_caches()  # (only compiled programs: any caller's recompile when next run)
-            trim_heap()
+        if path == "lm_head" or (fmt, w.shape) not in programs and len(
+                programs) >= KEPT_PROGRAMS:  # (the head: last, no layer's program runs again)
+            drop_programs()
             programs.clear()
         programs.add((fmt, w.shape))
         factor = None
