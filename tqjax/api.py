@@ -39,7 +39,7 @@ from tqjax.models.config import ModelConfig
 from tqjax.models.loading import GGUF_WEIGHTS, Checkpoint, load_checkpoint, open_checkpoint
 from tqjax.models.quantize import WeightSpec, quantize_params
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
-from tqjax.models.transformer import Params
+from tqjax.models.transformer import Params, fused_layer, stack_layers
 
 
 @dataclasses.dataclass
@@ -127,7 +127,8 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     `weights="gguf"` keeps a .gguf file's quantized matrices (embedding and head included) in
     the file's own blocks (`tqjax.quant.ggml`), no re-quantization. `mesh`
     (`tqjax.sharding.make_mesh(tp=..., dp=...)`) shards the weights over its devices (and the
-    caches made for them); an orbax checkpoint is read straight onto it."""
+    caches made for them); an orbax checkpoint is read straight onto it. Quantized layers are
+    stacked by weight format (`transformer.LayerStack`): one compiled layer body per format."""
     from tqjax.models.orbax_checkpoint import is_orbax_checkpoint, restore_sharded
     from tqjax.sharding import shard_params
 
@@ -162,6 +163,8 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
                                               min(length, config.max_position))
             spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
             params = quantize_params(source, config, spec, windows, progress=progress)
+    if not orbax and any(fused_layer(lp) for lp in params.layers):  # quantized: one compiled
+        params = params.replace(layers=stack_layers(params.layers, consume=True))  # per format
     if mesh is not None and not orbax:
         params = shard_params(params, config, mesh)
     return Model(config, params, tokenizer, str(path), dtype)

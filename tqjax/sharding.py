@@ -54,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import KVCache
 from tqjax.models.config import ModelConfig
-from tqjax.models.transformer import Params
+from tqjax.models.transformer import LayerParams, LayerStack, Params
 from tqjax.quant.ggml import GGMLLinear
 from tqjax.quant.weights import QuantizedLinear
 
@@ -213,14 +213,31 @@ def param_shardings(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
     only are read, so abstract params of ShapeDtypeStruct leaves work too)."""
     check_mesh(config, mesh)
     rep, sizes = _spec(mesh), logical_sizes(config)
-    layers = []
-    for lp in params.layers:
+
+    def layer(lp: LayerParams) -> LayerParams:
         out = jax.tree.map(lambda _: rep, lp)
         fields = {name: weight_shardings(getattr(lp, name), *axes, mesh, sizes)
                   for name, axes in LINEAR_AXES.items() if name != "lm_head"}
         fields |= {name: _spec(mesh, mesh_axis(mesh, axis, sizes[axis]))
                    for name, axis in BIAS_AXES.items() if getattr(lp, name) is not None}
-        layers.append(out.replace(**fields))
+        return out.replace(**fields)
+
+    def stacked(stack: LayerParams, mask: tuple[bool, ...]) -> LayerParams:
+        """A format's stack: one layer's shardings, the layer axis (where a leaf has it)
+        unsplit."""
+        leaves, tree = jax.tree.flatten(stack)
+        one = jax.tree.leaves(layer(jax.tree.unflatten(tree, [
+            jax.ShapeDtypeStruct(a.shape[s:], a.dtype) for a, s in zip(leaves, mask,
+                                                                        strict=True)])))
+        return jax.tree.unflatten(tree, [NamedSharding(mesh, PartitionSpec(None, *sh.spec))
+                                         if s else sh for sh, s in zip(one, mask, strict=True)])
+
+    if isinstance(params.layers, LayerStack):
+        layers = params.layers.replace(stacks=tuple(
+            stacked(st, mask) for st, mask in zip(params.layers.stacks, params.layers.stacked,
+                                                  strict=True)))
+    else:
+        layers = [layer(lp) for lp in params.layers]
     embed = params.embed
     if isinstance(embed, (QuantizedLinear, GGMLLinear)):  # embedᵀ [D, V] / blocks with out = V
         embed_sh = weight_shardings(embed, "embed", "vocab", mesh, sizes)

@@ -43,7 +43,7 @@ from tqjax.models.checkpoint import (
 )
 from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
-from tqjax.models.transformer import LayerParams, Params
+from tqjax.models.transformer import LayerParams, LayerStack, Params
 from tqjax.quant.ggml import GGMLLinear
 from tqjax.quant.rotation import Rotation
 from tqjax.quant.weights import QuantizedLinear
@@ -54,8 +54,8 @@ FORMAT_VERSION = 2  # 2: quantized weights stored output-major
 META_FILE = "orbax.json"
 CONFIG_FILE = "config.json"
 STATE_DIR = "state"
-TYPES: dict[str, type] = {c.__name__: c for c in (Params, LayerParams, QuantizedLinear,
-                                                  GGMLLinear, Rotation)}
+TYPES: dict[str, type] = {c.__name__: c for c in (Params, LayerParams, LayerStack,
+                                                  QuantizedLinear, GGMLLinear, Rotation)}
 
 
 def is_orbax_checkpoint(path: Path) -> bool:
@@ -98,9 +98,14 @@ def _decode(raw: Any) -> Any:
                 raise TqjaxError(f"{META_FILE}: GGUF blocks saved in an older layout than "
                                  "this tqjax reads; save the checkpoint again")
             fields = {k: _decode(v) for k, v in raw["fields"].items()}
+            static = raw["static"]
             if cls is GGMLLinear:
                 fields["fields"] = tuple(fields["fields"])
-            return cls(**fields, **raw["static"])
+            if cls is LayerStack:  # (JSON lists back to the tuples a pytree's static data is)
+                fields["stacks"] = tuple(fields["stacks"])
+                static = {"kind": tuple(static["kind"]), "pos": tuple(static["pos"]),
+                          "stacked": tuple(tuple(m) for m in static["stacked"])}
+            return cls(**fields, **static)
         return jax.ShapeDtypeStruct(tuple(int(n) for n in raw["shape"]), np.dtype(raw["dtype"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise TqjaxError(f"{META_FILE}: bad params structure ({e})") from None
@@ -171,10 +176,13 @@ def _dense_as(abstract: Params, dtype: Any) -> Params:
     def fields(obj: Any) -> dict[str, Any]:
         return {f.name: cast(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
-    return abstract.replace(
-        embed=cast(abstract.embed), final_norm=cast(abstract.final_norm),
-        lm_head=cast(abstract.lm_head), layers=[lp.replace(**fields(lp))
-                                                for lp in abstract.layers])
+    layers = abstract.layers
+    if isinstance(layers, LayerStack):
+        layers = layers.replace(stacks=tuple(lp.replace(**fields(lp)) for lp in layers.stacks))
+    else:
+        layers = [lp.replace(**fields(lp)) for lp in layers]
+    return abstract.replace(embed=cast(abstract.embed), final_norm=cast(abstract.final_norm),
+                            lm_head=cast(abstract.lm_head), layers=layers)
 
 
 def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | None = None

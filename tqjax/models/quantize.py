@@ -28,6 +28,7 @@ from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import Checkpoint
 from tqjax.models.transformer import (
+    LINEARS,
     LayerParams,
     Params,
     attention_heads,
@@ -56,7 +57,6 @@ from tqjax.quant.weights import (
     quantize_linear,
 )
 
-LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # the decoder linears quantized together by sequential GPTQ: each stage's linears read the same
 # input, so they share one Gram (`run_sequential`)
 STAGES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))

@@ -8,12 +8,15 @@ dense arrays or quantized weights from `tqjax.quant.weights`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from tqjax.host import host_buffer, release_adopted
 from tqjax.kv import cache as kvc
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -21,6 +24,7 @@ from tqjax.quant import ggml
 from tqjax.quant import weights as qw
 
 Weight = Any  # jax.Array [in, out] or a quantized weight pytree (tqjax.quant.weights)
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a layer's linear weights
 
 
 @struct.dataclass
@@ -42,9 +46,42 @@ class LayerParams:
 
 
 @struct.dataclass
+class LayerStack:
+    """Decoder layers stacked by weight format: the layers whose pytrees, shapes and dtypes
+    match share one `LayerParams` whose leaves have a leading axis over them, so `forward`
+    compiles one layer body per format, not per layer (a Q4_K_M file has two formats). A leaf
+    that all of a format's layers share (one array: a codebook, a rotation; every leaf of a
+    one-layer format) is kept once, without that axis. Reads like a list of layers: `len`,
+    iteration and `stack[i]` (layer i's arrays indexed out)."""
+
+    stacks: tuple[LayerParams, ...]  # per format: stacked leaves [layers of that format, ...]
+    kind: tuple[int, ...] = struct.field(pytree_node=False)  # layer i's format
+    pos: tuple[int, ...] = struct.field(pytree_node=False)  # layer i's index in its stack
+    stacked: tuple[tuple[bool, ...], ...] = struct.field(pytree_node=False)  # per format, per
+    # leaf (flattening order): whether it has the layer axis
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def __getitem__(self, i: int) -> LayerParams:
+        return self.layer(self.kind[i], self.pos[i])
+
+    def __iter__(self) -> Iterator[LayerParams]:
+        return (self[i] for i in range(len(self)))
+
+    def layer(self, f: int, j: jax.Array | int) -> LayerParams:
+        """Layer j (traced or not) of format f: its stacked leaves indexed at j (a slice that
+        XLA reads in place inside a fused dot), its shared ones as they are."""
+        leaves, tree = jax.tree_util.tree_flatten(self.stacks[f])
+        return jax.tree_util.tree_unflatten(tree, [
+            jax.lax.dynamic_index_in_dim(a, j, keepdims=False) if s else a
+            for a, s in zip(leaves, self.stacked[f], strict=True)])
+
+
+@struct.dataclass
 class Params:
     embed: Weight  # [V, D] dense or GGMLLinear (out = V), or the QuantizedLinear of embedᵀ [D, V]
-    layers: list[LayerParams]
+    layers: list[LayerParams] | LayerStack
     final_norm: jax.Array  # [D]
     lm_head: Weight | None  # [D, V]; None when tied to `embed`
     rope_inv_freq: jax.Array  # [hd/2] f32
@@ -113,6 +150,66 @@ def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
     return embed[tokens]
 
 
+def fused_layer(lp: LayerParams) -> bool:
+    """Whether all of a layer's linears are quantized (fused dots, which read a stacked weight
+    in place)."""
+    return all(isinstance(getattr(lp, f), (qw.QuantizedLinear, ggml.GGMLLinear))
+               for f in LINEARS)
+
+
+def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack:
+    """Layers grouped into a `LayerStack`: those whose linears are all quantized (fused dots,
+    which read a stacked weight in place) by format; a layer with a dense linear stays a format
+    of its own, since XLA:CPU copies a dense weight's slice out of a stack before its library
+    dot (SmolLM2 f32 decode: 49 -> 84 ms a step). Each stacked leaf is filled in one host
+    buffer that the device adopts; a leaf all of a format's layers share is kept as it is.
+    `consume`: `layers` is emptied and each source array dropped as soon as it is copied, so
+    stacking holds one layer's array beyond the params."""
+    signatures: list[Any] = []
+    kind, pos = [], []
+    for i, lp in enumerate(layers):
+        leaves, tree = jax.tree_util.tree_flatten(lp)
+        sig = (tree, tuple((x.shape, str(x.dtype)) for x in leaves)) if fused_layer(lp) else i
+        if sig not in signatures:
+            signatures.append(sig)
+        kind.append(signatures.index(sig))
+        pos.append(kind.count(kind[-1]) - 1)
+    flat = [jax.tree_util.tree_flatten(lp)[0] for lp in layers]
+    trees = [jax.tree_util.tree_structure(lp) for lp in layers]
+    del lp, leaves  # (the sources are referenced by `flat` alone)
+    if consume:
+        layers.clear()
+    stacks, stacked = [], []
+    for f in range(len(signatures)):
+        members = [i for i, k in enumerate(kind) if k == f]
+        out, mask = [], []
+        for j, first in enumerate(flat[members[0]]):
+            mask.append(any(flat[i][j] is not first for i in members))
+            if not mask[-1]:
+                out.append(first)
+                continue
+            buf = host_buffer((len(members), *first.shape), first.dtype)
+            for r, i in enumerate(members):
+                buf[r] = np.asarray(flat[i][j])
+                if consume:
+                    flat[i][j] = None
+                    release_adopted()
+            out.append(jax.device_put(buf))
+        stacks.append(jax.tree_util.tree_unflatten(trees[members[0]], out))
+        stacked.append(tuple(mask))
+    return LayerStack(tuple(stacks), tuple(kind), tuple(pos), tuple(stacked))
+
+
+def as_stack(layers: list[LayerParams] | LayerStack) -> LayerStack:
+    """A list of layers as a `LayerStack` of one-layer formats (no array copied), or the
+    stack."""
+    if isinstance(layers, LayerStack):
+        return layers
+    n = len(layers)
+    return LayerStack(tuple(layers), tuple(range(n)), (0,) * n, tuple(
+        (False,) * len(jax.tree_util.tree_leaves(lp)) for lp in layers))
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
             cache: kvc.KVCache, out_index: jax.Array | None = None,
             valid: jax.Array | None = None) -> tuple[jax.Array, kvc.KVCache]:
@@ -125,49 +222,51 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     recent-token rings, so each row's ring ends at its last real token, not in its padding.
 
     Each group of alike cache layers (`kvc.KVCache`) runs as one compiled layer body in a
-    `fori_loop`: each layer's projections are picked by `lax.switch` (every branch reads its
-    own weights in place, any weight format) around one attention, which reads and writes its
+    `fori_loop`: each layer's projections are picked by `lax.switch` over the layers' weight
+    formats (`LayerStack`; a list of layers: one branch per layer), each branch reading its
+    stack at the layer's index in place, around one attention, which reads and writes its
     layer of the stacked cache in place. Why: XLA:CPU keeps a compiled program resident at
     ~4-5 KB per HLO instruction, and unrolled over 30 layers a turbo cache's attention held
-    more memory in programs than the compression saved (docs/research.md, stop 37).
+    more memory in programs than the compression saved (docs/research.md, stop 37); compiled
+    once per layer, a Qwen2.5-Coder-1.5B GGUF's decode program held 607 MB (stop 45).
     """
     dtype = params.final_norm.dtype
     x = embed_tokens(params.embed, tokens).astype(dtype)
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(positions, params.rope_inv_freq)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
-    if cache.num_layers != len(params.layers):
+    layers = as_stack(params.layers)
+    if cache.num_layers != len(layers):
         raise ValueError(f"a cache of {cache.num_layers} layers for a model of "
-                         f"{len(params.layers)}")
+                         f"{len(layers)}")
 
-    def attention(group: kvc.LayerCache, i: jax.Array | int, q: jax.Array, k: jax.Array,
-                  v: jax.Array) -> tuple[jax.Array, kvc.LayerCache]:
-        """Layer i of the stacked group: attention, its cache read and written in place."""
+    def run(i: jax.Array | int, x: jax.Array, group: kvc.LayerCache, first: int
+            ) -> tuple[jax.Array, kvc.LayerCache]:
+        """Layer first + i, its cache layer i of the stacked group, read and written in place;
+        its projections by a `lax.switch` over the formats of the group's layers."""
+        kinds = sorted({layers.kind[first + j] for j in range(kvc.group_size(group))})
+        pick = jnp.asarray(layers.pos)[first + i]
+        which = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in layers.kind]
+                            )[first + i]
+        qkvs = [functools.partial(lambda f, x: _normed_qkv(
+            layers.layer(f, pick), config, x, cos, sin), f) for f in kinds]
+        outputs = [functools.partial(lambda f, x, h: layer_output(
+            layers.layer(f, pick), config, x, h), f) for f in kinds]
         view = kvc.layer_view(group, i)
-        out, after = kvc.attend(view, q, k, v, start, valid=valid)
-        return out.reshape(*x.shape[:2], -1), kvc.layer_update(group, after, i, view)
+        out, after = kvc.attend(view, *jax.lax.switch(which, qkvs, x), start, valid=valid)
+        group = kvc.layer_update(group, after, i, view)
+        return jax.lax.switch(which, outputs, x, out.reshape(*x.shape[:2], -1)), group
 
     groups, first = [], 0
     for group in cache.groups:
         n = kvc.group_size(group)
-        layers = params.layers[first:first + n]
-        first += n
         if n == 1:
-            heads, group = attention(group, 0, *_normed_qkv(layers[0], config, x, cos, sin))
-            x = layer_output(layers[0], config, x, heads)
+            x, group = run(0, x, group, first)
         else:
-            projections = [functools.partial(_normed_qkv, lp, config) for lp in layers]
-            outputs = [functools.partial(layer_output, lp, config) for lp in layers]
-
-            def body(i: jax.Array, carry: tuple[jax.Array, kvc.LayerCache],
-                     projections: list = projections, outputs: list = outputs
-                     ) -> tuple[jax.Array, kvc.LayerCache]:
-                x, group = carry
-                heads, group = attention(group, i, *jax.lax.switch(i, projections, x, cos, sin))
-                return jax.lax.switch(i, outputs, x, heads), group
-
-            x, group = jax.lax.fori_loop(0, n, body, (x, group))
+            x, group = jax.lax.fori_loop(
+                0, n, lambda i, c, first=first: run(i, *c, first), (x, group))
         groups.append(group)
+        first += n
     if out_index is not None:
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, config.rms_eps)

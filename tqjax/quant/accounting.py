@@ -52,6 +52,11 @@ def params_bits(params: Any) -> dict[str, float]:
     quantized = [leaf for leaf in leaves if is_q(leaf)]
     q_bytes = sum(unique_bytes(w, seen) for w in quantized)
     q_params = sum(w.in_features * w.out_features for w in quantized)
+    layers = params.layers
+    if hasattr(layers, "stacks"):  # a `transformer.LayerStack`: format f holds its layers' linears
+        q_params += sum((layers.kind.count(f) - 1) * w.in_features * w.out_features
+                        for f, stack in enumerate(layers.stacks)
+                        for w in jax.tree_util.tree_leaves(stack, is_leaf=is_q) if is_q(w))
     total_bytes = q_bytes + unique_bytes(params, seen)
     dense_params = sum(leaf.size for leaf in leaves if not is_q(leaf))
     n = q_params + dense_params
