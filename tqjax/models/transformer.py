@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tqjax.host import host_buffer, release_adopted
+from tqjax.host import host_buffer, release_adopted, trim_heap
 from tqjax.kv import cache as kvc
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -195,6 +195,8 @@ def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack
                     flat[i][j] = None
                     release_adopted()
             out.append(jax.device_put(buf))
+            if consume:
+                trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
         stacks.append(jax.tree_util.tree_unflatten(trees[members[0]], out))
         stacked.append(tuple(mask))
     return LayerStack(tuple(stacks), tuple(kind), tuple(pos), tuple(stacked))
