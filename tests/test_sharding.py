@@ -69,13 +69,16 @@ def _wide_model() -> Any:
 
 
 def _quantized(model: Any, method: str | None) -> Any:
-    """The model with its linears quantized by `method` (round to nearest: no tokenizer)."""
+    """The model with its linears quantized by `method` (round to nearest: no tokenizer) and
+    stacked by format, as `tqjax.load` holds quantized layers (`transformer.LayerStack`)."""
     from tqjax.api import Model
     from tqjax.models.quantize import WeightSpec, quantize_params
+    from tqjax.models.transformer import stack_layers
 
     if method is None:
         return model
     params = quantize_params(model.params, model.config, WeightSpec(method), None)
+    params = params.replace(layers=stack_layers(params.layers))
     return Model(model.config, params, None, model.source, model.dtype)
 
 

@@ -1,7 +1,8 @@
 """The stacked cache and the layer loop: `KVCache.groups` hold runs of alike layers stacked
 [L, ...], and `forward` runs each run as one compiled body (`fori_loop`) that reads and writes
 its layer of the stack in place. Checked against the same layers run one by one (a cache with
-one group per layer), on caches with one group and with boundary layers (three)."""
+one group per layer), on caches with one group and with boundary layers (three). Quantized
+weights stacked by format (`LayerStack`) against the same layers as a list."""
 
 from __future__ import annotations
 
@@ -238,3 +239,29 @@ def test_stack_layers_consumes_the_list(deep_quantized):
     for lp, got in zip(want, stack, strict=True):
         for a, b in zip(jax.tree.leaves(lp), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_layer_stack_shards_and_round_trips_through_orbax(deep_quantized, tmp_path):
+    """A `LayerStack` placed by the sharding rules (one device here; tests/test_sharding.py
+    runs stacked tq4/int8 models on TP meshes) and saved and restored as an orbax checkpoint
+    is the same stack, giving the same logits."""
+    from tqjax.models.orbax_checkpoint import restore_sharded, save_sharded
+    from tqjax.models.transformer import LayerStack, stack_layers
+    from tqjax.sharding import make_mesh, shard_params
+
+    params, config = deep_quantized
+    stacked = params.replace(layers=stack_layers(list(params.layers)))
+    placed = shard_params(stacked, config, make_mesh(1))
+    save_sharded(tmp_path / "orbax", placed, config)
+    _, restored, _ = restore_sharded(tmp_path / "orbax")
+    assert isinstance(restored.layers, LayerStack)
+    assert (restored.layers.kind, restored.layers.pos, restored.layers.stacked) == (
+        stacked.layers.kind, stacked.layers.pos, stacked.layers.stacked)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(stacked), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    step = jax.jit(lambda p, c, t, s: forward(p, config, t, s, c)[0])
+    tokens = jnp.asarray([[3, 17, 5, 9, 2], [8, 1, 4, 4, 11]], jnp.int32)
+    logits = [step(p, new(p, config, SPECS["f32"]), tokens, jnp.zeros(2, jnp.int32))
+              for p in (stacked, placed, restored)]
+    for got in logits[1:]:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(logits[0]))
