@@ -165,39 +165,39 @@ def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack
     buffer that the device adopts; a leaf all of a format's layers share is kept as it is.
     `consume`: `layers` is emptied and each source array dropped as soon as it is copied, so
     stacking holds one layer's array beyond the params."""
-    signatures: list[Any] = []
-    kind, pos = [], []
-    for i, lp in enumerate(layers):
-        leaves, tree = jax.tree_util.tree_flatten(lp)
-        sig = (tree, tuple((x.shape, str(x.dtype)) for x in leaves)) if fused_layer(lp) else i
+    fused = [fused_layer(lp) for lp in layers]
+    flat = [jax.tree_util.tree_flatten(lp) for lp in layers]  # (leaves, pytree) per layer
+    if consume:  # `flat` then holds the only references to the sources
+        layers.clear()
+    sigs = [(tree, tuple((x.shape, str(x.dtype)) for x in leaves)) if fz else i
+            for i, ((leaves, tree), fz) in enumerate(zip(flat, fused, strict=True))]
+    signatures: list[Any] = []  # (equality, not hashing: static pytree data need not hash)
+    for sig in sigs:
         if sig not in signatures:
             signatures.append(sig)
-        kind.append(signatures.index(sig))
-        pos.append(kind.count(kind[-1]) - 1)
-    flat = [jax.tree_util.tree_flatten(lp)[0] for lp in layers]
-    trees = [jax.tree_util.tree_structure(lp) for lp in layers]
-    del lp, leaves  # (the sources are referenced by `flat` alone)
-    if consume:
-        layers.clear()
+    kind = [signatures.index(sig) for sig in sigs]
+    pos = [kind[:i].count(k) for i, k in enumerate(kind)]
     stacks, stacked = [], []
     for f in range(len(signatures)):
         members = [i for i, k in enumerate(kind) if k == f]
         out, mask = [], []
-        for j, first in enumerate(flat[members[0]]):
-            mask.append(any(flat[i][j] is not first for i in members))
+        for j in range(len(flat[members[0]][0])):
+            first = flat[members[0]][0][j]
+            mask.append(any(flat[i][0][j] is not first for i in members))
             if not mask[-1]:
                 out.append(first)
                 continue
             buf = host_buffer((len(members), *first.shape), first.dtype)
+            del first
             for r, i in enumerate(members):
-                buf[r] = np.asarray(flat[i][j])
+                buf[r] = np.asarray(flat[i][0][j])
                 if consume:
-                    flat[i][j] = None
+                    flat[i][0][j] = None
                     release_adopted()
             out.append(jax.device_put(buf))
             if consume:
                 trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
-        stacks.append(jax.tree_util.tree_unflatten(trees[members[0]], out))
+        stacks.append(jax.tree_util.tree_unflatten(flat[members[0]][1], out))
         stacked.append(tuple(mask))
     return LayerStack(tuple(stacks), tuple(kind), tuple(pos), tuple(stacked))
 

@@ -9,6 +9,7 @@ budgets with `WeightFormat.tensor_bits` (a tensor's codes, scales and offsets) p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,12 +52,9 @@ def params_bits(params: Any) -> dict[str, float]:
     leaves = jax.tree_util.tree_leaves(params.replace(rope_inv_freq=None), is_leaf=is_q)
     quantized = [leaf for leaf in leaves if is_q(leaf)]
     q_bytes = sum(unique_bytes(w, seen) for w in quantized)
-    q_params = sum(w.in_features * w.out_features for w in quantized)
-    layers = params.layers
-    if hasattr(layers, "stacks"):  # a `transformer.LayerStack`: format f holds its layers' linears
-        q_params += sum((layers.kind.count(f) - 1) * w.in_features * w.out_features
-                        for f, stack in enumerate(layers.stacks)
-                        for w in jax.tree_util.tree_leaves(stack, is_leaf=is_q) if is_q(w))
+    # a linear stacked over layers (`transformer.LayerStack`) is one matrix per leading index
+    q_params = sum(w.in_features * w.out_features * math.prod(w.packed.shape[:-2])
+                   for w in quantized)
     total_bytes = q_bytes + unique_bytes(params, seen)
     dense_params = sum(leaf.size for leaf in leaves if not is_q(leaf))
     n = q_params + dense_params
