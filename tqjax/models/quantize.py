@@ -539,9 +539,9 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     def quantize(path: str, w: jax.Array | Columns, hessian: jax.Array | None
                  ) -> QuantizedLinear:
         fmt, k = formats[path], w.shape[0]
-        if path == "lm_head" or (fmt, w.shape) not in programs and len(
-                programs) >= KEPT_PROGRAMS:  # (the head: last, no layer's program runs again)
-            drop_programs()
+        new = (fmt, w.shape) not in programs
+        if path == "lm_head" or (new and len(programs) >= KEPT_PROGRAMS):  # (the head comes
+            drop_programs()  # last: no layer's program runs again)
             programs.clear()
         programs.add((fmt, w.shape))
         factor = None
