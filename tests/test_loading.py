@@ -14,6 +14,7 @@ from tqjax.api import Model
 from tqjax.errors import TqjaxError
 from tqjax.models import loading
 from tqjax.models.loading import load_checkpoint, read_hf_config
+from tqjax.quant.half import HalfLinear
 
 from .conftest import GOLDEN
 
@@ -29,16 +30,22 @@ DENSE_FIELDS = {"attn_norm": "input_layernorm.weight",
 
 
 def expected_params(hf: dict[str, np.ndarray], params, dtype):
-    """(got, want) pairs: every leaf of `params` against the HF f32 tensors `hf`, linears
-    transposed, cast with jnp.asarray like the eager loader did."""
+    """(got, want) pairs: every leaf of `params` against the HF f32 tensors `hf`, cast with
+    jnp.asarray like the eager loader did; linears transposed to [in, out], or in a half
+    dtype kept [out, in] as a `HalfLinear` (which must be what a half dtype loads)."""
+    def linear(got, stored: np.ndarray):
+        assert isinstance(got, HalfLinear) == (dtype != jnp.float32)
+        if isinstance(got, HalfLinear):
+            return got.w, jnp.asarray(stored, dtype)
+        return got, jnp.asarray(stored.T, dtype)
+
     pairs = [(params.embed, jnp.asarray(hf["model.embed_tokens.weight"], dtype)),
              (params.final_norm, jnp.asarray(hf["model.norm.weight"], dtype))]
     if params.lm_head is not None:
-        pairs.append((params.lm_head, jnp.asarray(hf["lm_head.weight"].T, dtype)))
+        pairs.append(linear(params.lm_head, hf["lm_head.weight"]))
     for i, lp in enumerate(params.layers):
         p = f"model.layers.{i}."
-        pairs += [(getattr(lp, f), jnp.asarray(hf[p + n + ".weight"].T, dtype))
-                  for f, n in LINEAR_FIELDS.items()]
+        pairs += [linear(getattr(lp, f), hf[p + n + ".weight"]) for f, n in LINEAR_FIELDS.items()]
         pairs += [(getattr(lp, f), jnp.asarray(hf[p + n], dtype))
                   for f, n in DENSE_FIELDS.items() if getattr(lp, f) is not None]
     return pairs

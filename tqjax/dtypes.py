@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from tqjax.errors import TqjaxError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these run as `quant.half.HalfLinear`
 SHORT_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # dense KV cache types
 
 

@@ -56,6 +56,7 @@ from tqjax.kv.cache import KVCache
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import LayerParams, LayerStack, Params
 from tqjax.quant.ggml import GGMLLinear
+from tqjax.quant.half import HalfLinear
 from tqjax.quant.weights import QuantizedLinear
 
 DP, TP = "dp", "tp"
@@ -186,8 +187,8 @@ def _fallback(mesh: Mesh, logical: str, sizes: tuple[int, ...]) -> str | None:
 def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
                      sizes: dict[str, int]) -> Any:
     """Shardings (a pytree like w) of a linear weight used as [in, out] along the logical
-    axes in_axis / out_axis: dense [in, out], QuantizedLinear or GGMLLinear (see the module
-    docstring for where each may split); `sizes` = `logical_sizes(config)`."""
+    axes in_axis / out_axis: dense [in, out], QuantizedLinear, GGMLLinear or HalfLinear (see
+    the module docstring for where each may split); `sizes` = `logical_sizes(config)`."""
     rep = _spec(mesh)
 
     def dims(in_pieces: int, out_len: int) -> tuple[str | None, str | None]:
@@ -204,6 +205,9 @@ def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
         rows, cols = dims(w.in_features // w.block, w.out_features)
         split = _spec(mesh, cols, None, rows)
         return w.replace(fields=tuple(split for _ in w.fields))
+    if isinstance(w, HalfLinear):  # [out, in]
+        rows, cols = dims(w.in_features, w.out_features)
+        return w.replace(w=_spec(mesh, cols, rows))
     k, n = w.shape
     return _spec(mesh, *dims(k, n))
 

@@ -1,6 +1,7 @@
 """Decoder weights as a list of layers against stacked by format (`transformer.LayerStack`).
 
-    python scripts/research/stacked_weights.py MODEL [--weights gguf] [--context 200]
+    python scripts/research/stacked_weights.py MODEL [--weights gguf] [--dtype bfloat16]
+        [--context 200]
         [--steps 16] [--prompt-tokens 0]
 
 `tqjax.load` stacks quantized layers by weight format (`transformer.stack_layers`), so
@@ -67,12 +68,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--weights", default=None)
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--kv", default="f32")
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=0, help="a prefill chunk instead")
     a = p.parse_args()
-    m = tqjax.load(a.model, weights=a.weights)
+    m = tqjax.load(a.model, dtype=a.dtype, weights=a.weights)
     cfg = m.config
     spec = tqjax.CacheSpec(*parse_kv(a.kv))
     t = max(1, a.prompt_tokens)

@@ -26,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tqjax.dtypes import resolve_dtype
+from tqjax.dtypes import HALF_DTYPES, resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.host import host_buffer, release_adopted
 from tqjax.models import checkpoint
 from tqjax.models.checkpoint import SafetensorsFile, read_file_bytes
 from tqjax.models.config import ModelConfig, config_from_gguf, config_from_hf, rope_inv_freq
 from tqjax.models.transformer import LayerParams, Params
+from tqjax.quant.half import HalfLinear
 from tqjax.quant.weights import Columns
 
 GGUF_WEIGHTS = "gguf"  # the weights mode that keeps a GGUF file's quantized blocks
@@ -296,8 +297,10 @@ class Checkpoint:
         if missing:
             raise TqjaxError(f"checkpoint is missing tensor {missing[0]}")
 
-    def leaf(self, name: str) -> Any:
-        """The tensor `name` (an HF name among `param_names`) read, converted and placed."""
+    def leaf(self, name: str, runtime: bool = False) -> Any:
+        """The tensor `name` (an HF name among `param_names`) read, converted and placed.
+        `runtime`: a linear of a half-precision dtype comes as the `HalfLinear` the model
+        runs (kept [out, in], as stored) instead of a dense [in, out] array."""
         t = self.tensors[name]
         if self.blocks:
             from tqjax.quant import ggml
@@ -305,7 +308,10 @@ class Checkpoint:
             if t.ggml_type in ggml.SUPPORTED_TYPES and len(t.shape) == 2:
                 w = ggml.from_gguf(t.raw(), t.ggml_type, t.shape)
                 return w if name not in self.perms else ggml.permute_rows(w, self.perms[name])
-        return place(t, self.dtype, self.names[name] == "linear", self.perms.get(name))
+        linear = self.names[name] == "linear"
+        if linear and runtime and self.dtype in HALF_DTYPES:
+            return HalfLinear(place(t, self.dtype, False, self.perms.get(name)))
+        return place(t, self.dtype, linear, self.perms.get(name))
 
     def columns(self, name: str) -> Columns:
         """A 2-D tensor stored [rows, D] (the embedding [V, D], a head [V, D]) as the
@@ -366,13 +372,14 @@ class Checkpoint:
 
     def params(self, progress: str | None = None) -> Params:
         """Every tensor `Params` needs, read one at a time and largest first (a large tensor's
-        transient copies then come while little else is resident). `progress`: a
-        progress-bar label, or None."""
+        transient copies then come while little else is resident), in the form the model
+        runs (half-precision linears as `HalfLinear`). `progress`: a progress-bar label, or
+        None."""
         placed: dict[str, Any] = {}
         order = sorted(self.names, key=lambda n: -math.prod(self.tensors[n].shape))
         for name in tqdm(order, desc=progress, unit="tensor",
                          disable=True if progress is None else None, leave=False):
-            placed[name] = self.leaf(name)
+            placed[name] = self.leaf(name, runtime=True)
         return Params(
             embed=placed["model.embed_tokens.weight"],
             layers=[self.layer(i, placed) for i in range(self.config.num_layers)],

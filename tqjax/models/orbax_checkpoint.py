@@ -45,6 +45,7 @@ from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LayerParams, LayerStack, Params
 from tqjax.quant.ggml import GGMLLinear
+from tqjax.quant.half import HalfLinear
 from tqjax.quant.rotation import Rotation
 from tqjax.quant.weights import QuantizedLinear
 from tqjax.sharding import make_mesh, param_shardings
@@ -55,7 +56,8 @@ META_FILE = "orbax.json"
 CONFIG_FILE = "config.json"
 STATE_DIR = "state"
 TYPES: dict[str, type] = {c.__name__: c for c in (Params, LayerParams, LayerStack,
-                                                  QuantizedLinear, GGMLLinear, Rotation)}
+                                                  QuantizedLinear, GGMLLinear, HalfLinear,
+                                                  Rotation)}
 
 
 def is_orbax_checkpoint(path: Path) -> bool:

@@ -37,6 +37,7 @@ from tqjax.models.transformer import (
     layer_output,
     rms_norm,
 )
+from tqjax.quant import half
 from tqjax.quant.mixed import (
     FISHER_ROWS,
     GROUPS,
@@ -517,7 +518,14 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         embed = params.embed if source else params.embed.T
         params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
         drop_programs()  # its programs are not run again (the head's are GPTQ's or its own)
-    layer = params.layers.__getitem__ if source is None else source.layer  # dense layer i
+    if source is None:  # a loaded model: half-precision linears read as dense [in, out]
+        params = params.replace(lm_head=half.dense(params.lm_head))
+        loaded = params.layers
+
+        def layer(i: int) -> LayerParams:  # dense layer i
+            return loaded[i].replace(**{f: half.dense(getattr(loaded[i], f)) for f in LINEARS})
+    else:
+        layer = source.layer
     formats = weight_formats(params, config, spec, paths, windows, progress, layer)
     if spec.method == MIXED:
         drop_programs()  # the measuring's programs (Fisher pass, one per format and shape)

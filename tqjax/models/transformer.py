@@ -20,10 +20,10 @@ from tqjax.host import host_buffer, release_adopted, trim_heap
 from tqjax.kv import cache as kvc
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
-from tqjax.quant import ggml
+from tqjax.quant import ggml, half
 from tqjax.quant import weights as qw
 
-Weight = Any  # jax.Array [in, out] or a quantized weight pytree (tqjax.quant.weights)
+Weight = Any  # jax.Array [in, out], a quantized weight pytree (tqjax.quant.weights) or HalfLinear
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a layer's linear weights
 
 
@@ -273,7 +273,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
         x = jnp.take_along_axis(x, out_index[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params.final_norm, config.rms_eps)
     head = params.embed if params.lm_head is None else params.lm_head
-    if head is params.embed and not isinstance(head, (qw.QuantizedLinear, ggml.GGMLLinear)):
+    if head is params.embed and half.is_half(head):  # a tied [V, D] bf16 / f16 table
+        logits = half.matmul(x.astype(jnp.float32), head)
+    elif head is params.embed and not isinstance(head, (qw.QuantizedLinear, ggml.GGMLLinear)):
         logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype),  # dense tied [V, D]
                             preferred_element_type=jnp.float32)
     else:  # [D, V]: an untied head, a quantized embedding (embedᵀ) or a GGUF [V, D] table

@@ -50,7 +50,7 @@ from tqjax.host import HOST_ALIGN, host_buffer
 from tqjax.pallas.backend import resolve as resolve_backend
 from tqjax.pallas.dequant_matmul import dequant_matmul
 from tqjax.pallas.dequant_matmul import supported as dequant_supported
-from tqjax.quant import ggml, tiling
+from tqjax.quant import ggml, half, tiling
 from tqjax.quant.codebook import lloyd_max
 from tqjax.quant.packing import pack_bits, unit, unpack_bits, unpack_planes
 from tqjax.quant.rotation import (
@@ -203,7 +203,8 @@ def _linear_fused(x: jax.Array, w: QuantizedLinear) -> jax.Array:
 
 
 def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out] in x's dtype; w dense or QuantizedLinear.
+    """x [..., in] @ w [in, out] -> [..., out] in x's dtype; w dense, QuantizedLinear,
+    `ggml.GGMLLinear` or `half.HalfLinear`.
 
     backend "xla": on CPU with at most `tiling.FUSED_ROWS` rows (decode), the decoding fused
     into vector-matrix dots (`_linear_fused`), otherwise `_tiled_matmul` (dequantize a
@@ -212,6 +213,8 @@ def linear(x: jax.Array, w: Any, backend: str | None = None) -> jax.Array:
     """
     if isinstance(w, ggml.GGMLLinear):  # GGUF blocks kept as the file has them
         return ggml.linear(x, w, backend)
+    if isinstance(w, half.HalfLinear):  # bf16 / f16 stored output-major
+        return half.linear(x, w)
     if isinstance(w, QuantizedLinear):
         rows = math.prod(x.shape[:-1])
         pallas = resolve_backend(backend) == "pallas" and dequant_supported(

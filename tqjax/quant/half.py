@@ -1,0 +1,96 @@
+"""Half-precision (bf16 / f16) linears stored output-major, converted inside the dot.
+
+XLA on CPU has no bf16 or f16 matrix-vector kernel: it converts a half-precision dot's
+operands to f32 first, so a dense [in, out] bf16 weight was written out as an f32 copy before
+every dot (a decode step of SmolLM2 in bf16 ran at 0.47x of f32, and the tied 151936 x 896
+head of Qwen2.5-Coder-0.5B held a 545 MB f32 temporary). Stored output-major ([out, in], as
+the files store linears), the conversion fuses into the vector-matrix dot like a quantized
+weight's decoding (`tqjax.quant.tiling`), which then reads only the half-precision bytes:
+576 -> 1536 bf16 50 us against 67 for the f32 weight and 269 converted first (issue 22,
+stop 46, `scripts/research/bench_half_linear.py`). Prefill rows convert a tile of outputs at
+a time; other backends run their own half-precision dots.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from tqjax.dtypes import HALF_DTYPES
+from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
+
+TILE_WEIGHTS = 1 << 18  # weights converted per tile of a prefill (1 MiB of f32)
+
+
+@struct.dataclass
+class HalfLinear:
+    """An [in, out] weight of a half-precision dtype, stored output-major."""
+
+    w: jax.Array  # [N, K] bf16 / f16
+
+    @property
+    def in_features(self) -> int:
+        return self.w.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.w.shape[-2]
+
+
+def dense(w: Any) -> Any:
+    """A `HalfLinear` as the dense [in, out] array it stands for (a transposed copy); any
+    other weight as it is."""
+    return w.w.T if isinstance(w, HalfLinear) else w
+
+
+def is_half(w: Any) -> bool:
+    """Whether w is a dense array of a half-precision dtype (`tqjax.dtypes.HALF_DTYPES`)."""
+    return isinstance(w, jax.Array) and w.dtype in HALF_DTYPES
+
+
+def _fused(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32 [M, K] @ wᵀ (w [N, K] half) -> f32 [M, N], M a few rows (decode, CPU): per row,
+    one vector-matrix dot per run of inputs under `tiling.FUSED_BYTES` bytes of each weight
+    row (the fused loop's limit), converting each value where the dot reads it."""
+    k = w.shape[1]
+    edges = run_edges(k, w.dtype.itemsize)
+    runs = list(zip(edges[:-1], edges[1:], strict=True))
+
+    def row(xv: jax.Array) -> jax.Array:  # [K] -> [N]
+        return sum_parts([jnp.dot(xv[a:b], w[:, a:b].astype(jnp.float32).T) for a, b in runs])
+
+    return jnp.stack([row(x[i]) for i in range(x.shape[0])])
+
+
+def _tiled(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32 [M, K] @ wᵀ -> f32 [M, N], converting a tile of ~TILE_WEIGHTS weights (a multiple
+    of 128 outputs) at a time, so the f32 temporary stays tile-sized (prefill, CPU)."""
+    n, k = w.shape
+    rows = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
+
+    def tile(start: Any, size: int) -> jax.Array:
+        wt = jax.lax.dynamic_slice_in_dim(w, start, size, axis=0).astype(jnp.float32)
+        return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())))  # [M, size]
+
+    return column_tiles(tile, x.shape[0], n, rows, jnp.float32)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ wᵀ for w [N, K] half precision (an output-major weight or a tied [V, D]
+    embedding as the head) -> [..., N] in x's dtype, accumulated in f32."""
+    if jax.default_backend() != "cpu":
+        return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype),
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+    y = _fused(x2, w) if use_fused(rows) else _tiled(x2, w)
+    return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: HalfLinear) -> jax.Array:
+    """x [..., in] @ w -> [..., out] in x's dtype."""
+    return matmul(x, w.w)
