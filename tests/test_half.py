@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tqjax
-from tqjax.models.transformer import LINEARS, forward
+from tqjax.models.transformer import LINEARS, LayerStack, forward
 from tqjax.quant import half
 from tqjax.quant.weights import linear
 
@@ -28,11 +28,15 @@ def test_half_linear_equals_the_float64_product(dtype, k, n, rows):
     w = jnp.asarray(rng.standard_normal((n, k)), HALF[dtype])  # [out, in]
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-    got = jax.jit(linear)(x, half.HalfLinear(w))
+    hl = half.output_major(w)
+    assert hl.bits.dtype == jnp.uint16 and hl.dtype == dtype
+    got = jax.jit(linear)(x, hl)
     assert got.dtype == jnp.float32 and got.shape == (rows, n)
     # f32 sums of k terms: measured up to 5.1e-7 of the largest output
     assert np.max(np.abs(np.asarray(got) - want)) <= 1e-6 * np.max(np.abs(want))
-    np.testing.assert_array_equal(np.asarray(half.dense(half.HalfLinear(w))), np.asarray(w).T)
+    np.testing.assert_array_equal(np.asarray(half.values(hl.bits, dtype)),
+                                  np.asarray(w, np.float32))
+    np.testing.assert_array_equal(np.asarray(half.dense(hl)), np.asarray(w).T)
 
 
 def _as_dense(params):
@@ -45,11 +49,13 @@ def _as_dense(params):
 @pytest.mark.parametrize("dtype", list(HALF))
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
 def test_half_model_runs_its_linears_output_major(name, dtype):
-    """A half dtype loads every linear (and an untied head) as a `HalfLinear`; prefill and
+    """A half dtype loads every linear (and an untied head) as a `HalfLinear`, the layers
+    stacked; prefill and
     decode logits match the same weights run as dense [in, out] arrays (XLA's own
     half-precision dots) to the activations' rounding."""
     m = tqjax.load(GOLDEN / "tiny" / name, dtype=dtype)
     p = m.params
+    assert isinstance(p.layers, LayerStack)  # one compiled layer body (uint16 stacks)
     assert all(isinstance(getattr(lp, f), half.HalfLinear) for lp in p.layers for f in LINEARS)
     assert (p.lm_head is None) == m.config.tie_embeddings
     assert p.lm_head is None or isinstance(p.lm_head, half.HalfLinear)

@@ -36,7 +36,8 @@ def expected_params(hf: dict[str, np.ndarray], params, dtype):
     def linear(got, stored: np.ndarray):
         assert isinstance(got, HalfLinear) == (dtype != jnp.float32)
         if isinstance(got, HalfLinear):
-            return got.w, jnp.asarray(stored, dtype)
+            assert got.dtype == jnp.dtype(dtype).name
+            return jax.lax.bitcast_convert_type(got.bits, dtype), jnp.asarray(stored, dtype)
         return got, jnp.asarray(stored.T, dtype)
 
     pairs = [(params.embed, jnp.asarray(hf["model.embed_tokens.weight"], dtype)),

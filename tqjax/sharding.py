@@ -205,9 +205,9 @@ def weight_shardings(w: Any, in_axis: str, out_axis: str, mesh: Mesh,
         rows, cols = dims(w.in_features // w.block, w.out_features)
         split = _spec(mesh, cols, None, rows)
         return w.replace(fields=tuple(split for _ in w.fields))
-    if isinstance(w, HalfLinear):  # [out, in]
+    if isinstance(w, HalfLinear):  # bits [out, in]
         rows, cols = dims(w.in_features, w.out_features)
-        return w.replace(w=_spec(mesh, cols, rows))
+        return w.replace(bits=_spec(mesh, cols, rows))
     k, n = w.shape
     return _spec(mesh, *dims(k, n))
 

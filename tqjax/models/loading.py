@@ -85,10 +85,11 @@ class StoredTensor:
 
 
 def place(t: StoredTensor, dtype: jnp.dtype, transpose: bool = False,
-          perm: np.ndarray | None = None) -> jax.Array:
+          perm: np.ndarray | None = None, bits: bool = False) -> jax.Array:
     """t as a device array of `dtype`: rows reordered by `perm` (row i = stored row perm[i]),
     then transposed ([out, in] -> [in, out]) if asked. Rows are read and cast `CHUNK_BYTES` of
-    float32 at a time into one host buffer of the final dtype, which the device adopts."""
+    float32 at a time into one host buffer of the final dtype, which the device adopts.
+    `bits`: a 16-bit dtype's values placed as their uint16 bit patterns (a view)."""
     release_adopted()  # host buffers jax adopted and the caller dropped go before this read
     rows = t.shape[0]
     out = host_buffer(t.shape[::-1] if transpose else t.shape, dtype)
@@ -100,7 +101,7 @@ def place(t: StoredTensor, dtype: jnp.dtype, transpose: bool = False,
             out[:, a:b] = chunk.T
         else:
             out[a:b] = chunk
-    return jax.device_put(out)
+    return jax.device_put(out.view(np.uint16) if bits else out)
 
 
 # ---------------------------------------------------------------- safetensors directories
@@ -310,7 +311,8 @@ class Checkpoint:
                 return w if name not in self.perms else ggml.permute_rows(w, self.perms[name])
         linear = self.names[name] == "linear"
         if linear and runtime and self.dtype in HALF_DTYPES:
-            return HalfLinear(place(t, self.dtype, False, self.perms.get(name)))
+            return HalfLinear(place(t, self.dtype, False, self.perms.get(name), bits=True),
+                              jnp.dtype(self.dtype).name)
         return place(t, self.dtype, linear, self.perms.get(name))
 
     def columns(self, name: str) -> Columns:

@@ -151,9 +151,9 @@ def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
 
 
 def fused_layer(lp: LayerParams) -> bool:
-    """Whether all of a layer's linears are quantized (fused dots, which read a stacked weight
-    in place)."""
-    return all(isinstance(getattr(lp, f), (qw.QuantizedLinear, ggml.GGMLLinear))
+    """Whether all of a layer's linears run as fused dots (quantized, or `half.HalfLinear`),
+    which read a stacked weight in place."""
+    return all(isinstance(getattr(lp, f), (qw.QuantizedLinear, ggml.GGMLLinear, half.HalfLinear))
                for f in LINEARS)
 
 
@@ -274,7 +274,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     x = rms_norm(x, params.final_norm, config.rms_eps)
     head = params.embed if params.lm_head is None else params.lm_head
     if head is params.embed and half.is_half(head):  # a tied [V, D] bf16 / f16 table
-        logits = half.matmul(x.astype(jnp.float32), head)
+        logits = half.linear(x.astype(jnp.float32), half.output_major(head))
     elif head is params.embed and not isinstance(head, (qw.QuantizedLinear, ggml.GGMLLinear)):
         logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype),  # dense tied [V, D]
                             preferred_element_type=jnp.float32)
