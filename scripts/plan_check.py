@@ -8,8 +8,9 @@ pytree's, its cache bytes against the allocated cache's.
 
 Fit (`--fit`): bench.py runs at two prompt lengths on two models (f32 weights and cache); the
 residual peak RSS - params - cache is fitted (least squares) as base + b·chunk·hidden, the
-constants of `tqjax.planner.RUNTIME`; three more runs with turbo caches measure what their
-calibration pass (and their larger decode step) add beyond that fit (the largest is
+constants of `tqjax.planner.RUNTIME`; the same runs with bf16 and GGUF-block weights report how
+far they fall from that fit; runs with turbo caches measure what their calibration pass (and
+their larger decode step) add beyond it, per weights preset (the largest of each is
 `calibrated`).
 A vocabulary term a·batch·vocab (logits, sampling) is not measurable at batch 1 (bench.py
 runs one sequence; its fitted coefficient came out negative) and is left at 0.
@@ -48,9 +49,15 @@ CASES = (
 )
 # model, prompt tokens, slots for the fit (f32 weights and cache)
 FIT_RUNS = ((SMOL, 58, 64), (SMOL, 1018, 1024), (QWEN, 58, 64), (QWEN, 1018, 1024))
-# model, turbo cache, prompt tokens, slots for the calibration term (f32 weights)
-FIT_TURBO_RUNS = ((SMOL, "turbo4", 1018, 1024), (SMOL, "turbo4/turbo3", 1018, 1024),
-                  (QWEN, "turbo3", 1018, 1024))
+# bf16 and GGUF-block weights with an f32 cache: how far they fall from that fit (no term of
+# their own since stop 46)
+FIT_WEIGHT_RUNS = tuple((model, weights, prompt, slots) for weights in ("bf16", "gguf")
+                        for model, prompt, slots in FIT_RUNS)
+# model, weights, turbo cache, prompt tokens, slots for the calibration term (per weights)
+FIT_TURBO_RUNS = ((SMOL, "f32", "turbo4", 1018, 1024), (SMOL, "f32", "turbo4/turbo3", 1018, 1024),
+                  (QWEN, "f32", "turbo3", 1018, 1024),
+                  (SMOL, "bf16", "turbo4", 1018, 1024), (QWEN, "bf16", "turbo3", 1018, 1024),
+                  (SMOL, "gguf", "turbo4/turbo3", 1018, 1024), (QWEN, "gguf", "turbo3", 1018, 1024))
 TOLERANCE = 0.10
 DECODE_TOKENS = 4
 
@@ -144,22 +151,32 @@ def fit() -> dict:
     y = np.array([r[3] for r in rows])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     pred = a @ coef
-    turbo = []  # what a turbo cache's calibration pass adds beyond that fit
-    for model, kv, prompt, slots in FIT_TURBO_RUNS:
+    def beyond(model: str, weights: str, kv: str, prompt: int, slots: int) -> dict:
+        """One run's residual beyond the fit (peak - params - cache - fitted runtime)."""
         config, _ = _tensor_table(fetch_model(model, progress=False))
-        tq = (r := bench(model, "f32", kv, prompt, slots)).get("tqjax", r)
+        tq = (r := bench(model, weights, kv, prompt, slots)).get("tqjax", r)
         resid = tq["peak_rss_bytes"] - tq["param_bytes"] - tq["cache_alloc_bytes"]
         extra = resid - coef[0] - coef[1] * min(512, slots) * config.hidden_size
-        turbo.append({"model": model, "kv": kv, "prompt_tokens": prompt, "slots": slots,
-                      "peak_rss_bytes": tq["peak_rss_bytes"], "param_bytes": tq["param_bytes"],
-                      "cache_alloc_bytes": tq["cache_alloc_bytes"], "residual_bytes": resid,
-                      "beyond_fit_bytes": float(extra), "wall_s": r["wall_s"]})
-        print(json.dumps(turbo[-1]), file=sys.stderr, flush=True)
+        row = {"model": model, "weights": weights, "kv": kv, "prompt_tokens": prompt,
+               "slots": slots, "peak_rss_bytes": tq["peak_rss_bytes"],
+               "param_bytes": tq["param_bytes"], "cache_alloc_bytes": tq["cache_alloc_bytes"],
+               "residual_bytes": resid, "beyond_fit_bytes": float(extra), "wall_s": r["wall_s"]}
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        return row
+
+    weights_runs = [beyond(m, w, "f32", p, s) for m, w, p, s in FIT_WEIGHT_RUNS]
+    turbo = [beyond(*run) for run in FIT_TURBO_RUNS]  # what a turbo cache's calibration adds
+    calibrated: dict[str, float] = {}
+    for t in turbo:
+        calibrated[t["weights"]] = max(0.0, calibrated.get(t["weights"], 0.0),
+                                       t["beyond_fit_bytes"])
     return {"runs": runs, "base": float(coef[0]), "per_logit": 0.0,
             "per_activation": float(coef[1]),
             "max_abs_residual_bytes": float(np.abs(pred - y).max()),
-            "turbo_runs": turbo,
-            "calibrated": max(0.0, max(t["beyond_fit_bytes"] for t in turbo)),
+            "weights_runs": weights_runs,
+            "weights_beyond_fit_bytes": [min(w["beyond_fit_bytes"] for w in weights_runs),
+                                         max(w["beyond_fit_bytes"] for w in weights_runs)],
+            "turbo_runs": turbo, "calibrated": calibrated,
             "command": "python scripts/plan_check.py --fit"}
 
 

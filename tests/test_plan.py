@@ -100,29 +100,30 @@ def test_kv_bytes_equal_an_allocated_cache(tiny, kv, devices):
 
 
 def test_plan_is_the_largest_that_fits(tiny, monkeypatch):
-    monkeypatch.setattr(planner, "RUNTIME", planner.Runtime(1e6, 10.0, 2.0, "test", 0.5))
+    monkeypatch.setattr(planner, "RUNTIME", planner.Runtime(
+        1e6, 10.0, 2.0, "test", calibrated={"f32": 3e5, "bf16": 7e5}))
     monkeypatch.setattr(planner, "MARGIN", 0.1)
     config, tensors = planner._tensor_table(tiny)
-    per_token, per_seq, shared = planner.kv_bytes(config, "f32")
+    turbo = {"f32": 3e5, "bf16": 7e5, "int8": 7e5}  # a preset not measured: the largest
 
-    def peak(weights, batch, ctx):  # an independent statement of the model
+    def peak(weights, kv, batch, ctx):  # an independent statement of the model
+        per_token, per_seq, shared = planner.kv_bytes(config, kv)
         params = planner.param_bytes(config, tensors, weights)
         slots = -(-ctx // 64) * 64
-        f32 = planner.param_bytes(config, tensors, "f32")
-        return (params + (0.5 * f32 if weights == "bf16" else 0.0)
-                + batch * (slots * per_token + per_seq) + shared + 1e6
+        return (params + batch * (slots * per_token + per_seq) + shared + 1e6
                 + 10.0 * batch * config.vocab_size + 2.0 * batch * min(512, slots)
-                * config.hidden_size)
+                * config.hidden_size + (turbo[weights] if kv == "turbo4" else 0.0))
 
-    for w in ("f32", "bf16"):
+    for w, kv in (("f32", "f32"), ("bf16", "f32"), ("f32", "turbo4"), ("bf16", "turbo4"),
+                  ("int8", "turbo4")):
         # 100 tokens -> 128 slots: a context of 128 fits, 129 (192 slots) does not
-        budget = math.ceil(1.1 * round(peak(w, 2, 100))) + 1
-        row = planner.plan(tiny, budget, batch=2, weights=(w,), kv=("f32",)).rows[0]
-        assert row.max_context == 128 and 1.1 * peak(w, 2, 129) > budget
-        assert row.peak_bytes == round(peak(w, 2, 128))
-        row = planner.plan(tiny, budget, context=64, weights=(w,), kv=("f32",)).rows[0]
+        budget = math.ceil(1.1 * round(peak(w, kv, 2, 100))) + 1
+        row = planner.plan(tiny, budget, batch=2, weights=(w,), kv=(kv,)).rows[0]
+        assert row.max_context == 128 and 1.1 * peak(w, kv, 2, 129) > budget
+        assert row.peak_bytes == round(peak(w, kv, 2, 128))
+        row = planner.plan(tiny, budget, context=64, weights=(w,), kv=(kv,)).rows[0]
         b = row.max_batch
-        assert 1.1 * peak(w, b, 64) <= budget < 1.1 * peak(w, b + 1, 64)
+        assert 1.1 * peak(w, kv, b, 64) <= budget < 1.1 * peak(w, kv, b + 1, 64)
     assert planner.plan(tiny, 1000, weights=("f32",), kv=("f32",)).rows[0].max_context == 0
 
 

@@ -15,9 +15,8 @@ A run's peak resident memory is modelled as
   allocates them (whole 512-token prefill chunks).
 - runtime: the working set of the runtime, MEASURED (`RUNTIME`, or `RUNTIME_MLIR_EMITTERS` where
   XLA runs its MLIR fusion emitters, see `tqjax.xla`): the JAX/Python base with
-  compiled executables, plus terms for the logits and the prefill activations, and for bf16
-  and GGUF-block weights the f32 copies the compiled steps hold (an upper bound, see
-  `RUNTIME`).
+  compiled executables, plus terms for the logits and the prefill activations, and for the
+  turbo caches their calibration pass (by weights preset).
 A preset fits when peak · (1 + `MARGIN`) is within the budget. The constants
   were fitted by `python scripts/plan_check.py --fit` (peak RSS of `scripts/bench.py`
   subprocesses minus their exact params and cache bytes); see `results/current/plan/`.
@@ -68,14 +67,19 @@ MIXED_BPW = 4.25
 class Runtime:
     """Measured working set of the runtime beyond params and cache, in bytes:
     base + per_logit · batch · vocab + per_activation · batch · chunk · hidden, where chunk is
-    the prefill chunk (min(prompt, 512) tokens)."""
+    the prefill chunk (min(prompt, 512) tokens), + calibrated[weights] with a turbo cache."""
 
     base: float
     per_logit: float
     per_activation: float
     command: str
-    dequantized: float = 0.0  # bf16 and GGUF-block weights: × the weights' f32 bytes
-    calibrated: float = 0.0  # turbo caches: their calibration pass and larger decode step
+    # turbo caches: their calibration pass and larger decode step, by weights preset (a preset
+    # not measured takes the largest)
+    calibrated: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def turbo(self, weights: str) -> float:
+        """The turbo caches' term for a weights preset, bytes."""
+        return self.calibrated.get(weights, max(self.calibrated.values(), default=0.0))
 
 
 # Measured: `python scripts/plan_check.py --fit` (results/current/plan/fit.json): least squares
@@ -83,27 +87,23 @@ class Runtime:
 # f32 weights and cache, prompts of 58 and 1018 tokens, batch 1; largest misfit 11 MB (refitted
 # at stop 41: base 425 -> 423 MB, per_activation 20.2 -> 27.9). The vocabulary term is not
 # measurable at batch 1 (its fitted coefficient was negative): 0.
-# bf16 and GGUF-block weights: the compiled steps hold f32 copies of weights at their peak
-# (XLA's CPU dots upcast bf16; the GGUF prefill decodes whole matrices). Measured beyond this
-# model, in units of the weights' f32 bytes (bench.py, 1024 slots, before the refit of stop 40,
-# with the MLIR emitters: upper bounds now): Qwen2.5-Coder-0.5B bf16 with an f32 cache 0.79,
-# GGUF blocks with turbo4 0.59; SmolLM2 bf16 with turbo4 1.14, GGUF blocks with turbo4/turbo3
-# 1.11. The planner takes the largest, so its bf16 and GGUF rows are upper bounds.
-# int8 / tq4 / mixed were not measured (their tiled XLA linear keeps its temporaries under
-# 1/4 of one f32 weight).
+# bf16 and GGUF-block weights need nothing beyond this fit since stop 46 (their dots read the
+# stored bytes, their layers are stacked): the same --fit runs them with an f32 cache and
+# reports how far they fall from it (bf16 and GGUF runs of 58 and 1018 tokens on both models:
+# -97 to +25 MB). Before, XLA:CPU converted bf16 weights to f32 before each dot (a tied
+# 151936 x 896 head: a 545 MB temporary) and the planner added 1.14 x the f32 weights' bytes.
 # Turbo caches: their calibration pass (`tqjax.decode.calibrate`) and their larger compiled
-# decode step add, beyond this fit (the same --fit run, 1018-token prompt, 1024 slots): 74 MB
-# on SmolLM2 turbo4, 89 MB turbo4/turbo3, 181 MB on Qwen2.5-Coder-0.5B turbo3. Not per layer
-# (SmolLM2 has more layers and the smaller term) nor per vocabulary entry; the planner takes
-# the largest, a constant.
+# decode step add, beyond this fit (1018-token prompt, 1024 slots), per weights preset the
+# largest over SmolLM2 (turbo4, turbo4/turbo3) and Qwen2.5-Coder-0.5B (turbo3); not per layer
+# (SmolLM2 has more layers and the smaller terms).
 RUNTIME = Runtime(base=423_325_755.0, per_logit=0.0, per_activation=27.88,
-                  command="python scripts/plan_check.py --fit", dequantized=1.14,
-                  calibrated=180_964_165.0)
+                  command="python scripts/plan_check.py --fit",
+                  calibrated={"f32": 180_964_165.0})
 # The same fit with XLA:CPU's MLIR fusion emitters (XLA's own default: a jaxlib tqjax.xla has
 # not been measured on, or --xla_cpu_use_fusion_emitters=true), before the refits of stops 40
 # and 41; its turbo term the largest measured with them (stop 38: SmolLM2 turbo4/turbo3).
 RUNTIME_MLIR_EMITTERS = dataclasses.replace(RUNTIME, base=493_281_922.0, per_activation=132.85,
-                                            calibrated=718e6)
+                                            calibrated={"f32": 718e6})
 
 
 def runtime() -> Runtime:
@@ -254,26 +254,23 @@ def slots_for(context: int) -> int:
 
 
 def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = "f32",
-                  f32_params: int = 0, calibrated: bool = False) -> int:
-    """The measured working set beyond params and cache (`runtime()`), bytes; `f32_params`: the
-    weights' bytes in f32 (for bf16 and GGUF blocks); `calibrated`: a turbo cache's
-    calibration pass runs."""
+                  calibrated: bool = False) -> int:
+    """The measured working set beyond params and cache (`runtime()`), bytes; `calibrated`: a
+    turbo cache's calibration pass runs (its term depends on `weights`)."""
     chunk = min(PREFILL_CHUNK, slots_for(context))
     rt = runtime()
-    upcast = rt.dequantized * f32_params if weights in ("bf16", "gguf") else 0.0
-    calib = rt.calibrated if calibrated else 0.0
+    calib = rt.turbo(weights) if calibrated else 0.0
     return round(rt.base + rt.per_logit * batch * config.vocab_size
-                 + rt.per_activation * batch * chunk * config.hidden_size + upcast + calib)
+                 + rt.per_activation * batch * chunk * config.hidden_size + calib)
 
 
 def predict_peak(params: int, kv: tuple[float, int, int], config: ModelConfig, batch: int,
-                 context: int, weights: str = "f32", f32_params: int = 0,
-                 calibrated: bool = False) -> int:
+                 context: int, weights: str = "f32", calibrated: bool = False) -> int:
     """Predicted peak bytes per device for `batch` sequences in a cache of `context` tokens."""
     per_token, per_seq, shared = kv
     slots = slots_for(context)
     return round(params + batch * (slots * per_token + per_seq) + shared
-                 + runtime_bytes(config, batch, context, weights, f32_params, calibrated))
+                 + runtime_bytes(config, batch, context, weights, calibrated))
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -286,7 +283,7 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return lo
 
 
-def _row(config: ModelConfig, weights: str, kv: str, params: int, f32_params: int,
+def _row(config: ModelConfig, weights: str, kv: str, params: int,
          kvb: tuple[float, int, int], budget: int, batch: int,
          context: int | None) -> PresetPlan:
     """One preset's longest context (and largest batch at `context`) whose predicted peak plus
@@ -294,7 +291,7 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int, f32_params: in
     calib = CacheSpec(*parse_kv(kv)).needs_calibration
 
     def peak(b: int, c: int) -> int:
-        return predict_peak(params, kvb, config, b, c, weights, f32_params, calib)
+        return predict_peak(params, kvb, config, b, c, weights, calib)
 
     def fits(b: int, c: int) -> bool:
         return peak(b, c) * (1 + MARGIN) <= budget
@@ -307,7 +304,7 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int, f32_params: in
         max_batch = max(0, _largest(lambda b: fits(b, context), 1, 1 << 16))
         top = peak(max(max_batch, 1), context)
     return PresetPlan(weights, kv, params, kvb[0], kvb[1] + kvb[2],
-                      runtime_bytes(config, batch, max(ctx, 1), weights, f32_params, calib),
+                      runtime_bytes(config, batch, max(ctx, 1), weights, calib),
                       ctx,
                       max_batch, top)
 
@@ -334,7 +331,6 @@ def plan(model: str | Path, memory: int | str, *, devices: int = 1, batch: int =
     kv_cache = {name: kv_bytes(config, name, devices) for name in kv}
     params = {w: -(-param_bytes(config, tensors, w) // devices) for w in weights
               if w != "gguf" or (path.is_file() and path.suffix == ".gguf")}
-    f32 = -(-param_bytes(config, tensors, "f32") // devices)
-    rows = [_row(config, w, name, p, f32, kv_cache[name], budget, batch, context)
+    rows = [_row(config, w, name, p, kv_cache[name], budget, batch, context)
             for w, p in params.items() for name in kv]
     return Plan(str(model), budget, devices, batch, context, config.max_position, tuple(rows))
