@@ -10,8 +10,8 @@ Fit (`--fit`): bench.py runs at two prompt lengths on two models (f32 weights an
 residual peak RSS - params - cache is fitted (least squares) as base + b·chunk·hidden, the
 constants of `tqjax.planner.RUNTIME`; the same runs with bf16 and GGUF-block weights report how
 far they fall from that fit; runs with turbo caches measure what their calibration pass (and
-their larger decode step) add beyond it, per weights preset (the largest of each is
-`calibrated`).
+their larger decode step) add beyond it, per weights preset (`calibrated`: the largest per
+vocabulary entry of each).
 A vocabulary term a·batch·vocab (logits, sampling) is not measurable at batch 1 (bench.py
 runs one sequence; its fitted coefficient came out negative) and is left at 0.
 
@@ -36,16 +36,20 @@ REPO = Path(__file__).resolve().parents[1]
 SMOL, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
 # model:weights:kv:budget
 # budgets chosen (with the planner's constants of this commit) to plan 3072, 8192, 8192 and
-# 5120 tokens on SmolLM2, 5632, 19968 and 8192 on Qwen; f32 weights: the bf16 and GGUF-block
-# rows are upper bounds (see planner.RUNTIME)
+# 5120 tokens on SmolLM2 with f32 weights, 5632, 19968 and 8192 on Qwen; 4096 and 8192 with
+# GGUF blocks and bf16 weights on each
 CASES = (
-    f"{SMOL}:f32:f32:1124MiB",
+    f"{SMOL}:f32:f32:1123MiB",
     f"{SMOL}:f32:q8:1079MiB",
-    f"{SMOL}:f32:turbo4/turbo3:1209MiB",
-    f"{SMOL}:f32:bf16:1100MiB",
-    f"{QWEN}:f32:f32:3129MiB",
-    f"{QWEN}:f32:q8:3117MiB",
-    f"{QWEN}:f32:turbo3:3194MiB",
+    f"{SMOL}:f32:turbo4/turbo3:1116MiB",
+    f"{SMOL}:f32:bf16:1099MiB",
+    f"{QWEN}:f32:f32:3128MiB",
+    f"{QWEN}:f32:q8:3116MiB",
+    f"{QWEN}:f32:turbo3:3288MiB",
+    f"{SMOL}:gguf:f32:725MiB",
+    f"{SMOL}:bf16:turbo4:830MiB",
+    f"{QWEN}:gguf:turbo3:1303MiB",
+    f"{QWEN}:bf16:f32:1816MiB",
 )
 # model, prompt tokens, slots for the fit (f32 weights and cache)
 FIT_RUNS = ((SMOL, 58, 64), (SMOL, 1018, 1024), (QWEN, 58, 64), (QWEN, 1018, 1024))
@@ -166,10 +170,11 @@ def fit() -> dict:
 
     weights_runs = [beyond(m, w, "f32", p, s) for m, w, p, s in FIT_WEIGHT_RUNS]
     turbo = [beyond(*run) for run in FIT_TURBO_RUNS]  # what a turbo cache's calibration adds
-    calibrated: dict[str, float] = {}
+    calibrated: dict[str, float] = {}  # bytes per vocabulary entry, the largest per preset
     for t in turbo:
+        config, _ = _tensor_table(fetch_model(t["model"], progress=False))
         calibrated[t["weights"]] = max(0.0, calibrated.get(t["weights"], 0.0),
-                                       t["beyond_fit_bytes"])
+                                       t["beyond_fit_bytes"] / config.vocab_size)
     return {"runs": runs, "base": float(coef[0]), "per_logit": 0.0,
             "per_activation": float(coef[1]),
             "max_abs_residual_bytes": float(np.abs(pred - y).max()),

@@ -101,10 +101,10 @@ def test_kv_bytes_equal_an_allocated_cache(tiny, kv, devices):
 
 def test_plan_is_the_largest_that_fits(tiny, monkeypatch):
     monkeypatch.setattr(planner, "RUNTIME", planner.Runtime(
-        1e6, 10.0, 2.0, "test", calibrated={"f32": 3e5, "bf16": 7e5}))
+        1e6, 10.0, 2.0, "test", calibrated={"f32": 3.0, "bf16": 7.0}))
     monkeypatch.setattr(planner, "MARGIN", 0.1)
     config, tensors = planner._tensor_table(tiny)
-    turbo = {"f32": 3e5, "bf16": 7e5, "int8": 7e5}  # a preset not measured: the largest
+    turbo = {"f32": 3.0, "bf16": 7.0, "int8": 7.0}  # per vocabulary entry; int8: the largest
 
     def peak(weights, kv, batch, ctx):  # an independent statement of the model
         per_token, per_seq, shared = planner.kv_bytes(config, kv)
@@ -112,7 +112,8 @@ def test_plan_is_the_largest_that_fits(tiny, monkeypatch):
         slots = -(-ctx // 64) * 64
         return (params + batch * (slots * per_token + per_seq) + shared + 1e6
                 + 10.0 * batch * config.vocab_size + 2.0 * batch * min(512, slots)
-                * config.hidden_size + (turbo[weights] if kv == "turbo4" else 0.0))
+                * config.hidden_size
+                + (turbo[weights] * config.vocab_size if kv == "turbo4" else 0.0))
 
     for w, kv in (("f32", "f32"), ("bf16", "f32"), ("f32", "turbo4"), ("bf16", "turbo4"),
                   ("int8", "turbo4")):

@@ -67,43 +67,46 @@ MIXED_BPW = 4.25
 class Runtime:
     """Measured working set of the runtime beyond params and cache, in bytes:
     base + per_logit · batch · vocab + per_activation · batch · chunk · hidden, where chunk is
-    the prefill chunk (min(prompt, 512) tokens), + calibrated[weights] with a turbo cache."""
+    the prefill chunk (min(prompt, 512) tokens), + calibrated[weights] · vocab with a turbo
+    cache."""
 
     base: float
     per_logit: float
     per_activation: float
     command: str
-    # turbo caches: their calibration pass and larger decode step, by weights preset (a preset
-    # not measured takes the largest)
+    # turbo caches: their calibration pass and larger decode step, bytes per vocabulary entry
+    # by weights preset (a preset not measured takes the largest)
     calibrated: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    def turbo(self, weights: str) -> float:
-        """The turbo caches' term for a weights preset, bytes."""
-        return self.calibrated.get(weights, max(self.calibrated.values(), default=0.0))
+    def turbo(self, weights: str, vocab: int) -> float:
+        """The turbo caches' term for a weights preset and a vocabulary size, bytes."""
+        return vocab * self.calibrated.get(weights, max(self.calibrated.values(), default=0.0))
 
 
-# Measured: `python scripts/plan_check.py --fit` (results/current/plan/fit.json): least squares
-# over bench.py peak RSS (VmHWM) minus exact params and cache, SmolLM2 and Qwen2.5-Coder-0.5B,
-# f32 weights and cache, prompts of 58 and 1018 tokens, batch 1; largest misfit 11 MB (refitted
-# at stop 41: base 425 -> 423 MB, per_activation 20.2 -> 27.9). The vocabulary term is not
-# measurable at batch 1 (its fitted coefficient was negative): 0.
+# Measured: `python scripts/plan_check.py --fit` (results/current/plan/fit.json, 6fb3d2f):
+# least squares over bench.py peak RSS (VmHWM) minus exact params and cache, SmolLM2 and
+# Qwen2.5-Coder-0.5B, f32 weights and cache, prompts of 58 and 1018 tokens, batch 1; largest
+# misfit 13 MB (refitted at stop 46: base 423 -> 425 MB, per_activation 27.9 -> 20.8). The
+# vocabulary term is not measurable at batch 1 (its fitted coefficient was negative): 0.
 # bf16 and GGUF-block weights need nothing beyond this fit since stop 46 (their dots read the
-# stored bytes, their layers are stacked): the same --fit runs them with an f32 cache and
-# reports how far they fall from it (bf16 and GGUF runs of 58 and 1018 tokens on both models:
-# -97 to +25 MB). Before, XLA:CPU converted bf16 weights to f32 before each dot (a tied
-# 151936 x 896 head: a 545 MB temporary) and the planner added 1.14 x the f32 weights' bytes.
+# stored bytes, their layers are stacked): the same runs with them fall -102 to +28 MB from it.
+# Before, XLA:CPU converted bf16 weights to f32 before each dot (a tied 151936 x 896 head: a
+# 545 MB temporary) and the planner added 1.14 x the f32 weights' bytes to both.
 # Turbo caches: their calibration pass (`tqjax.decode.calibrate`) and their larger compiled
-# decode step add, beyond this fit (1018-token prompt, 1024 slots), per weights preset the
-# largest over SmolLM2 (turbo4, turbo4/turbo3) and Qwen2.5-Coder-0.5B (turbo3); not per layer
-# (SmolLM2 has more layers and the smaller terms).
-RUNTIME = Runtime(base=423_325_755.0, per_logit=0.0, per_activation=27.88,
+# decode step add, beyond this fit (1018-token prompt, 1024 slots): SmolLM2 (vocabulary 49152)
+# f32 74 and 89 MB (turbo4, turbo4/turbo3), bf16 23, GGUF blocks 113; Qwen2.5-Coder-0.5B
+# (151936) with turbo3 f32 182, bf16 213, GGUF blocks 295. Not per layer (SmolLM2 has more);
+# taken per vocabulary entry, the larger of the two models' per preset, so that it bounds both
+# (a constant, Qwen's, over-predicted SmolLM2's runs by up to 190 MB).
+RUNTIME = Runtime(base=424_957_340.0, per_logit=0.0, per_activation=20.77,
                   command="python scripts/plan_check.py --fit",
-                  calibrated={"f32": 180_964_165.0})
+                  calibrated={"f32": 1818.8, "bf16": 1404.0, "gguf": 2288.2})
 # The same fit with XLA:CPU's MLIR fusion emitters (XLA's own default: a jaxlib tqjax.xla has
 # not been measured on, or --xla_cpu_use_fusion_emitters=true), before the refits of stops 40
-# and 41; its turbo term the largest measured with them (stop 38: SmolLM2 turbo4/turbo3).
+# and 41; its turbo term the largest measured with them (stop 38: SmolLM2 turbo4/turbo3,
+# 718 MB over its 49152 vocabulary entries).
 RUNTIME_MLIR_EMITTERS = dataclasses.replace(RUNTIME, base=493_281_922.0, per_activation=132.85,
-                                            calibrated={"f32": 718e6})
+                                            calibrated={"f32": 718e6 / 49152})
 
 
 def runtime() -> Runtime:
@@ -259,7 +262,7 @@ def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = 
     turbo cache's calibration pass runs (its term depends on `weights`)."""
     chunk = min(PREFILL_CHUNK, slots_for(context))
     rt = runtime()
-    calib = rt.turbo(weights) if calibrated else 0.0
+    calib = rt.turbo(weights, config.vocab_size) if calibrated else 0.0
     return round(rt.base + rt.per_logit * batch * config.vocab_size
                  + rt.per_activation * batch * chunk * config.hidden_size + calib)
 
