@@ -127,8 +127,9 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     `weights="gguf"` keeps a .gguf file's quantized matrices (embedding and head included) in
     the file's own blocks (`tqjax.quant.ggml`), no re-quantization. `mesh`
     (`tqjax.sharding.make_mesh(tp=..., dp=...)`) shards the weights over its devices (and the
-    caches made for them); an orbax checkpoint is read straight onto it. Quantized layers are
-    stacked by weight format (`transformer.LayerStack`): one compiled layer body per format."""
+    caches made for them); an orbax checkpoint is read straight onto it. Quantized and
+    bf16/f16 layers (`quant.half.HalfLinear`) are stacked by weight format
+    (`transformer.LayerStack`): one compiled layer body per format."""
     from tqjax.models.orbax_checkpoint import is_orbax_checkpoint, restore_sharded
     from tqjax.sharding import shard_params
 
