@@ -375,7 +375,7 @@ def _linear_tiled(x: jax.Array, w: GGMLLinear, tile_weights: int) -> jax.Array:
     dot per plane and position, or one dot of their concatenation (docs/research.md, stop
     44): as fast or faster, in programs up to 2.5x smaller."""
     n = w.out_features
-    rows = min(n, max(8, tile_weights // w.in_features // 8 * 8))
+    rows = tiling.tile_rows(w.in_features, n, tile_weights, 8)
     whole = T(w.ggml_type) == T.Q6_K
     xs = x if whole else jnp.take(x, jnp.asarray(_position_order(w)), axis=1)
     positions = _planes(w.ggml_type)[1]

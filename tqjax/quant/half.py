@@ -24,9 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from tqjax.dtypes import HALF_DTYPES
-from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, use_fused
-
-TILE_WEIGHTS = 1 << 18  # weights converted per tile of a prefill (1 MiB of f32)
+from tqjax.quant.tiling import column_tiles, run_edges, sum_parts, tile_rows, use_fused
 
 
 @struct.dataclass
@@ -86,10 +84,10 @@ def _fused(x: jax.Array, bits: jax.Array, dtype: str) -> jax.Array:
 
 
 def _tiled(x: jax.Array, bits: jax.Array, dtype: str) -> jax.Array:
-    """x f32 [M, K] @ Wᵀ -> f32 [M, N], converting a tile of ~TILE_WEIGHTS weights (a multiple
-    of 128 outputs) at a time, so the f32 temporary stays tile-sized (prefill, CPU)."""
+    """x f32 [M, K] @ Wᵀ -> f32 [M, N], converting a tile of outputs (`tiling.tile_rows`) at a
+    time, so the f32 temporary stays tile-sized (prefill, CPU)."""
     n, k = bits.shape
-    rows = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
+    rows = tile_rows(k, n)
 
     def tile(start: Any, size: int) -> jax.Array:
         wt = values(jax.lax.dynamic_slice_in_dim(bits, start, size, axis=0), dtype)

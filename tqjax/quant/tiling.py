@@ -32,6 +32,15 @@ FUSED_BYTES = 4096  # a fused vector-matrix dot reads fewer than this many bytes
 GGML_FUSED_VALUES = 2048
 
 
+TILE_WEIGHTS = 1 << 18  # weights decoded per tile of a prefill's decode-then-dot (1 MiB of f32)
+
+
+def tile_rows(k: int, n: int, weights: int = TILE_WEIGHTS, multiple: int = 128) -> int:
+    """Outputs per tile of a decode-then-dot over an [out n, in k] weight: about `weights`
+    weights, a multiple of `multiple` outputs, at most n."""
+    return min(n, max(multiple, weights // k // multiple * multiple))
+
+
 def use_fused(rows: int) -> bool:
     """Whether an input of `rows` rows takes the fused vector-matrix dots (CPU, decode)."""
     return 0 < rows <= FUSED_ROWS and jax.default_backend() == "cpu"

@@ -127,7 +127,7 @@ def dequantize_weight(w: QuantizedLinear) -> jax.Array:
     return _dequantize(w.packed, w.scale, w.offset, w.lut, w.bits, w.group).T
 
 
-TILE_WEIGHTS = 1 << 18  # weights dequantized per step of `_tiled_matmul` (1 MiB of f32)
+TILE_WEIGHTS = tiling.TILE_WEIGHTS  # weights dequantized per step of `_tiled_matmul`
 
 
 def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
@@ -140,7 +140,7 @@ def _tiled_matmul(x: jax.Array, w: QuantizedLinear) -> jax.Array:
     Other backends get one tile (XLA on GPU can fuse the dequantization into its dot).
     """
     k, n = w.padded_in, w.out_features
-    rows = min(n, max(128, TILE_WEIGHTS // k // 128 * 128))
+    rows = tiling.tile_rows(k, n, TILE_WEIGHTS)
     if jax.default_backend() != "cpu":
         rows = n
 
