@@ -10,10 +10,11 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from tqjax.errors import TqjaxError
-from tqjax.models.loading import gguf_metadata, open_gguf, read_gguf
+from tqjax.models.loading import read_gguf
 from tqjax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
 from .conftest import GOLDEN
+from .test_gguf_file import reader_header
 
 TOK = GOLDEN / "tokenizers"
 SPM_MODEL = TOK / "spm" / "tokenizer.model"
@@ -56,7 +57,7 @@ def _write_spm_gguf(path, proto, **extra):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return gguf_metadata(open_gguf(path))
+    return reader_header(path)[0]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,8 @@ def spm_gguf(tmp_path_factory):
 
 
 def test_read_gguf_metadata_is_the_readers(tmp_path):
-    """read_gguf makes the metadata again after the reader is gone (JSON round trip): the same
-    keys, values and Python types as the reader's own, scores (floats) bit for bit."""
+    """read_gguf's metadata has the same keys, values and Python types as gguf.GGUFReader's
+    own, scores (floats) bit for bit."""
     path = tmp_path / "tiny.gguf"
     direct = _write_spm_gguf(path, _proto(), add_space_prefix=True)
     meta, tensors = read_gguf(path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import json
 import math
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from tqjax.host import host_buffer, release_adopted
 from tqjax.models import checkpoint
 from tqjax.models.checkpoint import SafetensorsFile, read_file_bytes
 from tqjax.models.config import ModelConfig, config_from_gguf, config_from_hf, rope_inv_freq
+from tqjax.models.gguf_file import read_header
 from tqjax.models.transformer import LayerParams, Params
 from tqjax.quant.half import HalfLinear
 from tqjax.quant.weights import Columns
@@ -152,26 +152,6 @@ def _read_safetensor(st: SafetensorsFile, name: str, rows: slice | np.ndarray) -
 # ---------------------------------------------------------------- GGUF files
 
 
-def open_gguf(path: Path) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises bare ValueError/IndexError/struct errors on bad files
-        raise TqjaxError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from None
-
-
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """All GGUF key/values as Python values (token lists included)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: S112 - a few structural fields have no scalar content
-            continue
-    return meta
-
-
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved -> half-split RoPE), w [out, ...]."""
     out = w.shape[0]
@@ -189,28 +169,16 @@ def gguf_hf_name(name: str) -> str:
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, StoredTensor]]:
-    """A GGUF file's metadata (`gguf_metadata`) and tensor index (`gguf_tensors`), with the
-    reader gone. Why the JSON round trip: the reader builds ~0.5 GB of small objects for a
-    150k-token vocabulary, and the token strings made from it share their heap pages, so
-    ~120 MB of freed reader memory stayed resident for as long as the strings lived (Qwen2.5).
-    The strings are made again once the reader has been freed."""
-    reader = open_gguf(path)
-    meta, tensors = gguf_metadata(reader), gguf_tensors(path, reader)
-    text = json.dumps(meta)  # contents() gives str, int, float, bool and lists of them
-    del reader, meta
-    gc.collect()
-    return json.loads(text), tensors
-
-
-def gguf_tensors(path: Path, reader: Any) -> dict[str, StoredTensor]:
-    """Index a GGUF file's tensors by HF name (nothing is read yet; the reader can go)."""
-    out = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape))
-        raw = functools.partial(_gguf_bytes, path, int(t.data_offset), int(t.n_bytes), shape[0])
-        read = functools.partial(_gguf_rows, raw, t.name, t.tensor_type, shape)
-        out[gguf_hf_name(t.name)] = StoredTensor(shape, read, int(t.tensor_type), raw)
-    return out
+    """A GGUF file's key/values (token lists included: `gguf_file.read_header`) and its tensor
+    index by HF name (nothing is read yet)."""
+    meta, index = read_header(path)
+    tensors = {}
+    for t in index:
+        shape = tuple(reversed(t.shape))  # HF order: [out, in]
+        raw = functools.partial(_gguf_bytes, path, t.offset, t.nbytes, shape[0])
+        read = functools.partial(_gguf_rows, raw, t.name, t.ggml_type, shape)
+        tensors[gguf_hf_name(t.name)] = StoredTensor(shape, read, int(t.ggml_type), raw)
+    return meta, tensors
 
 
 def _gguf_bytes(path: Path, offset: int, nbytes: int, rows: int, lo: int = 0,
