@@ -4,6 +4,8 @@ model against the same weights run as dense [in, out] arrays (the form they had 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,21 @@ def _as_dense(params):
     return params.replace(layers=layers, lm_head=half.dense(params.lm_head))
 
 
+def _logits(params, config):
+    """Last-token logits f32 [3, 2, V] of a 7-token prefill of two rows and two decode steps
+    (the fused dots)."""
+    step = jax.jit(lambda p, c, t, s: forward(p, config, t, s, c))
+    tokens = jnp.asarray([[3, 17, 5, 9, 2, 40, 7], [8, 1, 4, 4, 11, 60, 9]], jnp.int32)
+    logits, cache = step(params, new(params, config, SPECS["f32"]), tokens,
+                         jnp.zeros(2, jnp.int32))
+    steps = [logits[:, -1]]
+    for t in (21, 33):
+        logits, cache = step(params, cache, jnp.asarray([[t], [t + 1]], jnp.int32),
+                             jnp.asarray([7 + len(steps) - 1] * 2, jnp.int32))
+        steps.append(logits[:, -1])
+    return np.stack([np.asarray(s, np.float32) for s in steps])
+
+
 @pytest.mark.parametrize("dtype", list(HALF))
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
 def test_half_model_runs_its_linears_output_major(name, dtype):
@@ -60,19 +77,7 @@ def test_half_model_runs_its_linears_output_major(name, dtype):
     assert (p.lm_head is None) == m.config.tie_embeddings
     assert p.lm_head is None or isinstance(p.lm_head, half.HalfLinear)
     assert p.embed.dtype == HALF[dtype]  # [V, D]: the token lookup reads rows
-    dense = _as_dense(p)
-    step = jax.jit(lambda p, c, t, s: forward(p, m.config, t, s, c))
-    tokens = jnp.asarray([[3, 17, 5, 9, 2, 40, 7], [8, 1, 4, 4, 11, 60, 9]], jnp.int32)
-    out = {}
-    for label, params in (("half", p), ("dense", dense)):
-        logits, cache = step(params, new(params, m.config, SPECS["f32"]), tokens,
-                             jnp.zeros(2, jnp.int32))
-        steps = [logits[:, -1]]
-        for t in (21, 33):  # two decode steps (the fused dots)
-            logits, cache = step(params, cache, jnp.asarray([[t], [t + 1]], jnp.int32),
-                                 jnp.asarray([7 + len(steps) - 1] * 2, jnp.int32))
-            steps.append(logits[:, -1])
-        out[label] = np.stack([np.asarray(s, np.float32) for s in steps])
+    out = {"half": _logits(p, m.config), "dense": _logits(_as_dense(p), m.config)}
     scale = np.max(np.abs(out["dense"]))
     # the same products summed in another order, rounded to bf16 or f16 between layers:
     # measured 0.0 (bf16, all three) and up to 8.2e-4 (f16) of the largest logit; the bf16
@@ -80,3 +85,37 @@ def test_half_model_runs_its_linears_output_major(name, dtype):
     assert np.max(np.abs(out["half"] - out["dense"])) <= {"bfloat16": 4e-3, "float16": 2e-3}[
         dtype] * scale
     np.testing.assert_array_equal(out["half"].argmax(-1), out["dense"].argmax(-1))
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "on the fly", "loaded model"])
+def test_a_dense_half_head_beside_quantized_layers_runs_output_major(tmp_path, how,
+                                                                    monkeypatch):
+    """An untied head left dense beside quantized layers (a quantized checkpoint loaded in
+    bf16; quantizing on the fly in bf16 without quantized embeddings, or a loaded bf16 model)
+    comes as a `HalfLinear`, not a dense bf16 array that XLA:CPU converts whole at every
+    step; the logits are those of the same head run dense."""
+    from tqjax.models import checkpoint
+    from tqjax.models.checkpoint import save_quantized
+    from tqjax.models.quantize import WeightSpec, quantize_params
+
+    path = GOLDEN / "tiny" / "llama"  # untied
+    if how == "checkpoint":
+        tiny = tqjax.load(path)
+        q = quantize_params(tiny.params, tiny.config, WeightSpec("int8"))
+        save_quantized(tmp_path / "q", q, tiny.config, method={}, dense_dtype="bfloat16")
+        monkeypatch.setattr(checkpoint, "PLACE_BYTES", 256)  # placed a few rows at a time
+        m = tqjax.load(tmp_path / "q", dtype="bfloat16")
+        np.testing.assert_array_equal(np.asarray(half.dense(m.params.lm_head)),
+                                      np.asarray(tiny.params.lm_head, jnp.bfloat16))
+    elif how == "on the fly":
+        m = tqjax.load(path, dtype="bfloat16", weights="int8")
+    else:
+        m = tqjax.load(path, dtype="bfloat16")
+        m = dataclasses.replace(m, params=quantize_params(m.params, m.config, WeightSpec("int8")))
+    assert isinstance(m.params.lm_head, half.HalfLinear) and m.params.lm_head.dtype == "bfloat16"
+    got = _logits(m.params, m.config)
+    want = _logits(m.params.replace(lm_head=half.dense(m.params.lm_head)), m.config)
+    # the same head, summed in another order: within one bf16 rounding of the largest logit
+    assert np.max(np.abs(got - want)) <= 4e-3 * np.max(np.abs(want))
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+

@@ -35,14 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax.atomic import replace_dir
-from tqjax.dtypes import resolve_dtype
+from tqjax.dtypes import HALF_DTYPES, resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
 from tqjax.host import host_buffer
 from tqjax.models.config import GGUF_ARCHITECTURES, ModelConfig, RopeScaling
 from tqjax.models.tokenizer import Tokenizer
-from tqjax.models.transformer import LayerParams, Params
+from tqjax.models.transformer import LINEARS, LayerParams, Params
 from tqjax.quant.accounting import params_bits
+from tqjax.quant.half import HalfLinear
 from tqjax.quant.rotation import Rotation
 from tqjax.quant.weights import KINDS, QuantizedLinear, WeightFormat, format_lut
 
@@ -96,6 +97,9 @@ def read_file_bytes(path: Path, offset: int, size: int) -> np.ndarray:
     return out
 
 
+PLACE_BYTES = 1 << 24  # f32 bytes of rows read at a time while placing one tensor (16 MiB)
+
+
 class SafetensorsFile:
     """A safetensors file read one tensor (or row range) at a time: it is opened for each
     read, so the pages its memory map touched leave the resident set when the read is done."""
@@ -114,11 +118,30 @@ class SafetensorsFile:
         except (SafetensorError, OSError, ValueError) as e:
             raise TqjaxError(f"cannot read {self.path} (truncated or corrupt?): {e}") from None
 
-    def place(self, name: str, dtype: Any = None) -> jax.Array:
-        """Tensor `name` on the device, cast to `dtype` if given (one host copy, adopted)."""
-        value = self.read(name)
-        out = host_buffer(value.shape, value.dtype if dtype is None else dtype)
-        out[...] = value
+    def place(self, name: str, dtype: Any = None, output_major: bool = False) -> Any:
+        """Tensor `name` on the device, cast to `dtype` if given: read `PLACE_BYTES` of rows at
+        a time into one host buffer that the device adopts (no whole copy on the side).
+        `output_major`: a dense [in, out] linear of a half-precision `dtype` comes as the
+        `HalfLinear` the model runs, [out, in] bits, transposed chunk by chunk."""
+        shape = self.shapes[name]
+        if len(shape) == 0 or shape[0] == 0:
+            value = self.read(name)
+            out = host_buffer(value.shape, value.dtype if dtype is None else dtype)
+            out[...] = value
+            return jax.device_put(out)
+        step = max(1, PLACE_BYTES // (4 * math.prod(shape[1:])))
+        out = None
+        for a in range(0, shape[0], step):
+            rows = self.read(name, slice(a, min(shape[0], a + step)))
+            if out is None:
+                kind = rows.dtype if dtype is None else dtype
+                out = host_buffer(shape[::-1] if output_major else shape, kind)
+            if output_major:
+                out[:, a:a + len(rows)] = rows.T
+            else:
+                out[a:a + len(rows)] = rows
+        if output_major:
+            return HalfLinear(jax.device_put(out.view(np.uint16)), jnp.dtype(out.dtype).name)
         return jax.device_put(out)
 
     def read(self, name: str, rows: slice | None = None) -> np.ndarray:
@@ -401,12 +424,20 @@ def check_architecture(path: Path, meta: dict[str, Any], config: ModelConfig) ->
                          f"says {config.arch!r}")
 
 
+def _dense_linear(name: str, quantized: set[str]) -> bool:
+    """Whether flat tensor `name` is a linear left dense ("lm_head", "layers.{i}.w_up", ...)."""
+    parts = name.split(".")
+    return name not in quantized and (name == "lm_head" or (
+        len(parts) == 3 and parts[0] == "layers" and parts[2] in LINEARS))
+
+
 def load_quantized(path: Path, dtype: str = "float32"
                    ) -> tuple[ModelConfig, Params, dict[str, Any]]:
     """Load a quantized checkpoint directory -> (config, params, quantization.json dict).
 
     Files are verified against their sha256 first. Dense tensors are cast to `dtype`
-    ("float32", "bfloat16", "float16"); quantized tensors keep their stored types. Tensors
+    ("float32", "bfloat16", "float16"; a dense linear of a half dtype comes as a
+    `HalfLinear`); quantized tensors keep their stored types. Tensors
     are read, cast and placed one at a time, largest first.
     """
     jdtype = resolve_dtype(dtype)
@@ -423,7 +454,8 @@ def load_quantized(path: Path, dtype: str = "float32"
     check_architecture(path, meta, config)
     st = SafetensorsFile(path / WEIGHTS_FILE)
     keep = {"rope_inv_freq"} | {n + s for n in meta["tensors"] for s in QUANTIZED_PARTS}
-    tensors = {name: st.place(name, None if name in keep or name.startswith("shared.") else jdtype)
+    tensors = {name: st.place(name, None if name in keep or name.startswith("shared.") else jdtype,
+                              output_major=jdtype in HALF_DTYPES and _dense_linear(name, keep))
                for name in sorted(st.shapes, key=lambda n: -math.prod(st.shapes[n]))}
     shared = _shared(tensors)
     flat: dict[str, Any] = {name: _quantized(name, info, tensors, shared)

@@ -518,6 +518,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         embed = params.embed if source else params.embed.T
         params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
         drop_programs()  # its programs are not run again (the head's are GPTQ's or its own)
+    head = params.lm_head  # (a loaded model's, kept as it runs if it is not quantized)
     if source is None:  # a loaded model: half-precision linears read as dense [in, out]
         params = params.replace(lm_head=half.dense(params.lm_head))
         loaded = params.layers
@@ -584,5 +585,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     factors.clear()  # (an adopted host buffer: `place` has jax release it before reading)
     trim_heap()  # what the quantizing freed, before the head is read
     if isinstance(params.lm_head, Columns):  # an untied head left dense
-        params = params.replace(lm_head=source.leaf("lm_head.weight"))
+        params = params.replace(lm_head=source.leaf("lm_head.weight", runtime=True))
+    elif "lm_head" not in formats:
+        params = params.replace(lm_head=head)
     return params
