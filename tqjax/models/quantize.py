@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -186,17 +186,20 @@ _gated = jax.jit(gated_activation)
 _embed = jax.jit(embed_tokens)
 
 
-def _gram(acts: list[jax.Array]) -> np.ndarray:
+def _gram(acts: Iterable[jax.Array]) -> np.ndarray:
     """Σ xᵀx over every row of every [..., K] activation -> f32 [K, K], a `host_buffer` summed
-    in place by BLAS (syrk, one window at a time), which `hessian_factor(consume=True)` then
-    factors in place: the Gram and its factor are one [K, K] buffer."""
+    in place by BLAS (syrk, one window at a time: `acts` may make each as it is asked for),
+    which `hessian_factor(consume=True)` then factors in place: the Gram and its factor are
+    one [K, K] buffer."""
     from scipy.linalg import blas
 
-    k = acts[0].shape[-1]
-    c = host_buffer((k, k), np.float32)
-    c[:] = 0
+    c = None
     for a in acts:
+        k = a.shape[-1]
         rows = np.asarray(a, np.float32).reshape(-1, k)  # [T, K]
+        if c is None:
+            c = host_buffer((k, k), np.float32)
+            c[:] = 0
         # c.T (Fortran order) += rowsᵀ rows: the lower triangle in BLAS's terms, c's upper
         out = blas.ssyrk(1.0, rows.T, beta=1.0, c=c.T, trans=0, lower=1, overwrite_c=1)
         if not np.shares_memory(out, c):  # (BLAS worked on a copy)
@@ -235,7 +238,7 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
     inv_freq, eps = params.rope_inv_freq, config.rms_eps
 
     def stage(lp: LayerParams, i: int, fields: tuple[str, ...],
-              acts: list[jax.Array]) -> LayerParams:
+              acts: Iterable[jax.Array]) -> LayerParams:
         """Quantize `fields` from their inputs `acts` (one [1, T, in] per window)."""
         h = _gram(acts)
         return lp.replace(**{f: quantize(f"layers.{i}.{f}", getattr(lp, f), h) for f in fields})
@@ -252,16 +255,19 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
         heads = [_heads(lp, config, h, inv_freq) for h in hn]
         lp = stage(lp, i, STAGES[1], heads)
         x = add(x, heads, lp.wo)
+        del heads
         hn = [_norm(xi, lp.mlp_norm, eps) for xi in x]
         lp = stage(lp, i, STAGES[2], hn)
         # only the quantized gate/up: the compilation is keyed on those two formats, not on
         # every other field's (mixed: one per layer otherwise)
         mlp_in = lp.replace(**dict.fromkeys(("wq", "wk", "wv", "wo", "w_down")))
-        gated = [_gated(mlp_in, h) for h in hn]
-        lp = stage(lp, i, STAGES[3], gated)
-        x = jax.block_until_ready(add(x, gated, lp.w_down))  # (its temporaries gone too)
+        # the down projection's inputs ([T, intermediate] a window) made again for the
+        # residual rather than all held beside its Gram, where the quantizing peaks
+        lp = stage(lp, i, STAGES[3], (_gated(mlp_in, h) for h in hn))
+        x = jax.block_until_ready([_add_linear(xi, _gated(mlp_in, h), lp.w_down)
+                                   for xi, h in zip(x, hn, strict=True)])  # (temporaries gone)
         layers.append(lp)
-        del lp, mlp_in, hn, heads, gated  # before the next layer is read
+        del lp, mlp_in, hn  # before the next layer is read
     params = params.replace(layers=layers)
     hidden = [_norm(xi, params.final_norm, eps) for xi in x]
     if head and params.lm_head is not None:
