@@ -204,6 +204,8 @@ def _gram(acts: Iterable[jax.Array]) -> np.ndarray:
         out = blas.ssyrk(1.0, rows.T, beta=1.0, c=c.T, trans=0, lower=1, overwrite_c=1)
         if not np.shares_memory(out, c):  # (BLAS worked on a copy)
             c.T[...] = out
+    if c is None:
+        raise TqjaxError("a Gram needs at least one activation")
     for a in range(0, k, 512):  # c's lower triangle from its upper, a block of rows at a time
         b = min(k, a + 512)
         c[a:b, :a] = c[:a, a:b].T
