@@ -113,7 +113,9 @@ def test_damaged_files_are_one_line_errors(tmp_path, damage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct",
+                                  pytest.param("qwen2.5-coder-1.5b-instruct",
+                                               marks=pytest.mark.large)])
 def test_real_model_headers_equal_the_readers(name):
     import tracemalloc
 
