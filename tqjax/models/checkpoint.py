@@ -424,11 +424,12 @@ def check_architecture(path: Path, meta: dict[str, Any], config: ModelConfig) ->
                          f"says {config.arch!r}")
 
 
-def _dense_linear(name: str, quantized: set[str]) -> bool:
-    """Whether flat tensor `name` is a linear left dense ("lm_head", "layers.{i}.w_up", ...)."""
+def _dense_linear(name: str) -> bool:
+    """Whether flat tensor `name` is a dense linear ("lm_head", "layers.{i}.w_up", ...; a
+    quantized one is stored as "lm_head.packed", ...)."""
     parts = name.split(".")
-    return name not in quantized and (name == "lm_head" or (
-        len(parts) == 3 and parts[0] == "layers" and parts[2] in LINEARS))
+    return name == "lm_head" or (len(parts) == 3 and parts[0] == "layers"
+                                 and parts[2] in LINEARS)
 
 
 def load_quantized(path: Path, dtype: str = "float32"
@@ -455,7 +456,7 @@ def load_quantized(path: Path, dtype: str = "float32"
     st = SafetensorsFile(path / WEIGHTS_FILE)
     keep = {"rope_inv_freq"} | {n + s for n in meta["tensors"] for s in QUANTIZED_PARTS}
     tensors = {name: st.place(name, None if name in keep or name.startswith("shared.") else jdtype,
-                              output_major=jdtype in HALF_DTYPES and _dense_linear(name, keep))
+                              output_major=jdtype in HALF_DTYPES and _dense_linear(name))
                for name in sorted(st.shapes, key=lambda n: -math.prod(st.shapes[n]))}
     shared = _shared(tensors)
     flat: dict[str, Any] = {name: _quantized(name, info, tensors, shared)

@@ -6,9 +6,8 @@ objects each) before a value is read, so Qwen2.5's 151k tokens and 151k merges h
 for the length of the parse: more than the model's tq4 weights, the peak of a GGUF load's
 first seconds. Here each value is made once, as the str, int, float, bool or list that
 `ReaderField.contents()` gives, from one read-only memory map that is closed afterwards.
-The tensor types and block sizes are gguf's own (`gguf.GGMLQuantizationType`,
-`gguf.GGML_QUANT_SIZES`); the layout is the GGUF specification's (versions 2 and 3,
-little-endian).
+The value and tensor types, numeric dtypes and block sizes are gguf's own; the layout is the
+GGUF specification's (versions 2 and 3, little-endian).
 """
 
 from __future__ import annotations
@@ -20,18 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from tqjax.errors import TqjaxError
 
 GGUF_MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-# GGUF value types (`gguf.GGUFValueType`) -> struct format of a scalar
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-           12: "d"}
-NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-         10: "<u8", 11: "<i8", 12: "<f8"}
-STRING, ARRAY, UINT32 = 8, 9, 4
+# GGUF's numeric value types -> their little-endian numpy dtypes (gguf's own table)
+NUMERIC = {int(kind): np.dtype(t).newbyteorder("<")
+           for kind, t in GGUFReader.gguf_scalar_to_np.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,7 @@ class GGUFTensor:
 
     name: str
     shape: tuple[int, ...]
-    ggml_type: Any  # gguf.GGMLQuantizationType
+    ggml_type: GGMLQuantizationType
     offset: int  # bytes from the start of the file
     nbytes: int
 
@@ -66,18 +63,21 @@ class _Cursor:
         self.pos = end
         return text
 
+    def numbers(self, dtype: np.dtype, count: int) -> list[Any]:
+        values = np.frombuffer(self.buf, dtype, count, self.pos)
+        self.pos += values.nbytes
+        return values.tolist()
+
     def value(self, kind: int) -> Any:
-        if kind == STRING:
+        if kind == GGUFValueType.STRING:
             return self.string()
-        if kind in SCALARS:
-            return self.scalar(SCALARS[kind])
-        if kind != ARRAY:
+        if kind in NUMERIC:
+            return self.numbers(NUMERIC[kind], 1)[0]
+        if kind != GGUFValueType.ARRAY:
             raise ValueError(f"unknown value type {kind}")
         item, count = self.scalar("I"), self.scalar("Q")
-        if item in NUMPY:  # a numeric array in one read
-            values = np.frombuffer(self.buf, NUMPY[item], count, self.pos)
-            self.pos += values.nbytes
-            return values.tolist()
+        if item in NUMERIC:  # a numeric array in one read
+            return self.numbers(NUMERIC[item], count)
         return [self.value(item) for _ in range(count)]
 
 
@@ -85,17 +85,15 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """The key/values (with "GGUF.version", "GGUF.tensor_count" and "GGUF.kv_count", as
     `gguf.GGUFReader` lists them) and the tensor index of the GGUF file at `path`.
     A file that is not GGUF, truncated or corrupt raises `TqjaxError` (one line)."""
-    import gguf
-
     try:
         with (open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m,
               memoryview(m) as buf):
-            return _parse(buf, gguf)
+            return _parse(buf)
     except (ValueError, KeyError, struct.error, OSError, OverflowError) as e:
         raise TqjaxError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from None
 
 
-def _parse(buf: memoryview, gguf: Any) -> tuple[dict[str, Any], list[GGUFTensor]]:
+def _parse(buf: memoryview) -> tuple[dict[str, Any], list[GGUFTensor]]:
     c = _Cursor(buf)
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise ValueError("no GGUF magic")
@@ -119,8 +117,8 @@ def _parse(buf: memoryview, gguf: Any) -> tuple[dict[str, Any], list[GGUFTensor]
         dims = tuple(c.scalar("Q") for _ in range(c.scalar("I")))
         infos.append((name, dims, c.scalar("I"), c.scalar("Q")))
     align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-    if "general.alignment" in meta and (kinds["general.alignment"] != UINT32 or align <= 0
-                                        or align & (align - 1)):
+    if "general.alignment" in meta and (kinds["general.alignment"] != GGUFValueType.UINT32
+                                        or align <= 0 or align & (align - 1)):
         raise ValueError(f"bad general.alignment {align!r}")
     start = -(-c.pos // align) * align  # the tensor data, aligned
     tensors, names = [], set()
@@ -128,8 +126,8 @@ def _parse(buf: memoryview, gguf: Any) -> tuple[dict[str, Any], list[GGUFTensor]
         if name in names:
             raise ValueError(f"tensor {name!r} twice")
         names.add(name)
-        ggml_type = gguf.GGMLQuantizationType(raw_type)
-        block, size = gguf.GGML_QUANT_SIZES[ggml_type]
+        ggml_type = GGMLQuantizationType(raw_type)
+        block, size = GGML_QUANT_SIZES[ggml_type]
         elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
         t = GGUFTensor(name, dims, ggml_type, start + offset, elements * size // block)
         if t.offset + t.nbytes > len(buf):
