@@ -348,6 +348,7 @@ def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, em
     from tqjax.quant import weights
 
     monkeypatch.setattr(weights, "QUANTIZE_COLUMNS", 48)
+    monkeypatch.setattr(weights, "ROUND_COLUMNS", 48)
     path = GOLDEN / "tiny" / source
     if source.startswith("gguf:"):
         path = tmp_path / "model.gguf"

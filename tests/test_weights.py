@@ -936,6 +936,31 @@ def test_quantized_embeddings(name, tmp_path):
     np.testing.assert_allclose(tqjax.logits(loaded, TOKENS), got, atol=1e-4)
 
 
+@pytest.mark.parametrize("columns", [False, True])
+def test_window_rows_embed_as_the_whole_quantized_table(tiny, columns):
+    """`_window_rows`: the calibration windows, renumbered into the table's rows for their own
+    tokens (quantized on their own), embed as through the whole quantized table, and the
+    table's rows are only read for those tokens."""
+    from tqjax.models.quantize import _window_rows
+    from tqjax.quant.weights import Columns
+
+    table = jnp.asarray(tiny.params.embed).T  # embedᵀ [D, V]
+    windows = np.random.default_rng(2).integers(0, 200, (3, 40)).astype(np.int32)
+    read: list[tuple[int, int]] = []
+    source = Columns(tuple(table.shape), lambda a, b: read.append((a, b)) or np.asarray(
+        table[:, a:b])) if columns else table
+    rows, renumbered = _window_rows(source, windows, seed=4)
+    ids = np.unique(windows)
+    assert rows.out_features == len(ids) and renumbered.dtype == np.int32
+    np.testing.assert_array_equal(ids[renumbered], windows)
+    if columns:
+        assert sorted(read) == [(int(i), int(i) + 1) for i in ids]
+    whole = quantize_linear(table, EMBEDDING_FORMAT, 4)
+    got = gather_columns(rows, jnp.asarray(renumbered))
+    want = gather_columns(whole, jnp.asarray(windows))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(table).max()))
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat("tq", 8, 64), WeightFormat("sym", 8, 0),
                                  WeightFormat("tq", 4, 64)], ids=lambda f: f.name)
 def test_nearest_level_matches_a_binary_search(fmt):
@@ -959,8 +984,9 @@ def test_nearest_level_matches_a_binary_search(fmt):
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("gptq", [False, True])
 def test_quantizing_in_column_chunks_changes_nothing(fmt, gptq, monkeypatch):
-    """Output columns are quantized QUANTIZE_COLUMNS at a time: 3 chunks and a remainder give
-    the codes, scales and offsets of one call over all columns."""
+    """Output columns are quantized QUANTIZE_COLUMNS (GPTQ) or ROUND_COLUMNS at a time: 3
+    chunks and a remainder give the codes, scales and offsets of one call over all columns;
+    rounding pads the remainder to the chunks' width, so all four run one program."""
     k, n = 128, 350
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
@@ -968,7 +994,10 @@ def test_quantizing_in_column_chunks_changes_nothing(fmt, gptq, monkeypatch):
     factor = hessian_factor(jnp.asarray(x.T @ x), fmt) if gptq else None
     whole = quantize_linear(w, fmt, hessian=factor)
     monkeypatch.setattr(qw, "QUANTIZE_COLUMNS", 100)
+    monkeypatch.setattr(qw, "ROUND_COLUMNS", 100)
+    programs = qw._quantize_block._cache_size()
     chunked = quantize_linear(w, fmt, hessian=factor)
+    assert qw._quantize_block._cache_size() - programs == (2 if gptq else 1)
     for name in ("packed", "scale", "offset"):
         a, b = getattr(whole, name), getattr(chunked, name)
         assert (a is None) == (b is None)
@@ -1005,10 +1034,11 @@ def test_gptq_batches_rows_as_one_row_loop_would(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("calibrated", [False, True])
-def test_quantizer_drops_its_programs_after_the_embedding_and_before_the_head(
+def test_quantizer_drops_its_programs_before_the_head_and_after_the_embedding(
         tiny, monkeypatch, calibrated):
-    """The embedding's and the layers' quantizer programs are not run again: jax's caches are
-    cleared right after a quantized embedding and right before the head, and the result is
+    """The layers' and the embedding's quantizer programs are not run again: jax's caches are
+    cleared right before the head and around the embedding table, which is quantized last
+    (calibrated: its rows for the windows' tokens first, to embed them), and the result is
     the same as without clearing."""
     from tqjax.models import quantize as mq
 
@@ -1023,8 +1053,10 @@ def test_quantizer_drops_its_programs_after_the_embedding_and_before_the_head(
     monkeypatch.setattr(mq.jax, "clear_caches", lambda: events.append("clear"))
     got = quantize_params(tiny.params, tiny.config, spec, cal)
     embed_t, head = tiny.params.embed.shape[::-1], tiny.params.lm_head.shape
-    assert events[:2] == [embed_t, "clear"] and events[-2:] == ["clear", head]
-    assert events.count("clear") == 2
+    assert events[-5:] == ["clear", head, "clear", embed_t, "clear"]
+    assert events.count("clear") == 3
+    assert events[0] == ((embed_t[0], len(np.unique(cal))) if calibrated else
+                         tiny.params.layers[0].wq.shape)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

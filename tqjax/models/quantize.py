@@ -488,6 +488,24 @@ def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.nd
     return windows.astype(np.int32)
 
 
+def _window_rows(table: jax.Array | Columns, windows: np.ndarray, seed: int
+                 ) -> tuple[QuantizedLinear, np.ndarray]:
+    """The embedding's rows for the tokens in calibration windows int32 [W, T], quantized to
+    `EMBEDDING_FORMAT` (each row on its own, as in the whole table; the rotation's float order
+    may differ in a few codes), and the windows renumbered into them.
+
+    table: the embedding as embedᵀ [D, V], an array or `Columns`.
+    Returns (a QuantizedLinear [D, U] over the U distinct tokens, windows int32 [W, T] in [0, U)).
+    """
+    ids = np.unique(windows)
+    if isinstance(table, Columns):
+        rows = np.concatenate([table.read(int(i), int(i) + 1) for i in ids], axis=1)  # [D, U]
+    else:
+        rows = table[:, ids]
+    return (quantize_linear(jnp.asarray(rows, jnp.float32), EMBEDDING_FORMAT, seed),
+            np.searchsorted(ids, windows).astype(np.int32))
+
+
 def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: WeightSpec,
                     calibration: np.ndarray | None = None, progress: bool = False) -> Params:
     """Params whose decoder linears (and, with `spec.quantize_embeddings`, the embedding and an
@@ -496,13 +514,14 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     params: dense params, or an opened `loading.Checkpoint`, which is then read as it is
     quantized (one decoder layer at a time; the embedding and head a block of columns at a
     time), so the load never holds the dense model ("mixed" reads each layer three times more
-    first: `fisher_diagonal`'s two sweeps and the measuring).
+    first: `fisher_diagonal`'s two sweeps and the measuring). A quantized embedding table is
+    quantized last (its calibration rows first: `_window_rows`), when nothing else is held.
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     Compiled programs are resident while jax caches them, so this clears jax's caches
-    (`drop_programs`) after "mixed" has measured its formats, after a quantized embedding,
-    before the head and whenever more than `KEPT_PROGRAMS` formats and shapes have been
+    (`drop_programs`) after "mixed" has measured its formats, after a quantized embedding
+    table, before the head and whenever more than `KEPT_PROGRAMS` formats and shapes have been
     quantized since: the caller's own jitted functions then compile again on their next call.
     """
     if isinstance(params, Checkpoint) and params.blocks:
@@ -522,10 +541,20 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         paths = _linear_names(config.num_layers, untied and spec.quantize_embeddings)
     else:
         paths = linear_paths(params, spec.quantize_embeddings)
-    if spec.quantize_embeddings:  # stored as embedᵀ [D, V]
-        embed = params.embed if source else params.embed.T
-        params = params.replace(embed=quantize_linear(embed, EMBEDDING_FORMAT, spec.seed))
-        drop_programs()  # its programs are not run again (the head's are GPTQ's or its own)
+    table = None  # with `spec.quantize_embeddings`: the embedding as embedᵀ [D, V]
+    if spec.quantize_embeddings:
+        table = params.embed if source else params.embed.T
+        # The table is quantized last, when no Gram or layer input is held beside it; until
+        # then the calibration windows embed through its rows for their own tokens, quantized
+        # alike. First only where "mixed" measures a tied model: its Fisher pass reads the
+        # whole quantized table as the head.
+        if windows is not None and spec.method == MIXED and params.lm_head is None:
+            params = params.replace(embed=quantize_linear(table, EMBEDDING_FORMAT, spec.seed))
+            drop_programs()  # its programs are not run again (the head's are GPTQ's or its own)
+            table = None
+        elif windows is not None:
+            window_table, windows = _window_rows(table, windows, spec.seed)
+            params = params.replace(embed=window_table)
     head = params.lm_head  # (a loaded model's, kept as it runs if it is not quantized)
     if source is None:  # a loaded model: half-precision linears read as dense [in, out]
         params = params.replace(lm_head=half.dense(params.lm_head))
@@ -592,6 +621,10 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     gram[0] = None  # the last Gram and its factors ([K, K] each) go before the head comes
     factors.clear()  # (an adopted host buffer: `place` has jax release it before reading)
     trim_heap()  # what the quantizing freed, before the head is read
+    if table is not None:  # (the head's programs are not run again, nor the table's after)
+        drop_programs()
+        params = params.replace(embed=quantize_linear(table, EMBEDDING_FORMAT, spec.seed))
+        drop_programs()
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight", runtime=True))
     elif "lm_head" not in formats:
