@@ -409,10 +409,12 @@ def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypa
     """Reading and quantizing interleave layer by layer: no tensor of layer i + 1 is read
     before every linear of layer i is quantized, each linear is read once, and layer i's
     dense arrays are gone (weak references) when layer i + 1 is read; calibrated, each dense
-    linear goes as soon as its stage is quantized (only w_down's is alive at its turn)."""
+    linear goes as soon as its stage is quantized (only w_down's is alive at its turn), and
+    so does each stage's Gram (none is alive when the next layer is read)."""
     import gc
     import weakref
 
+    from tqjax.host import release_adopted
     from tqjax.models import quantize as mq
 
     events: list[str] = []
@@ -422,14 +424,26 @@ def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypa
     alive_at_read: list[int] = []
     layer = ckpt.layer
 
+    grams: list[weakref.ref] = []
+    grams_at_read: list[int] = []
+    real_gram = mq._gram
+
+    def gram(acts):
+        g = real_gram(acts)
+        grams.append(weakref.ref(g))
+        return g
+
     def read_layer(i, placed=None):
         gc.collect()
+        release_adopted()
         alive_at_read.append(sum(r() is not None for refs in dense for r in refs))
+        grams_at_read.append(sum(r() is not None for r in grams))
         lp = layer(i, placed)
         dense.append([weakref.ref(getattr(lp, f)) for f in mq.LINEARS])
         return lp
 
     monkeypatch.setattr(ckpt, "layer", read_layer)
+    monkeypatch.setattr(mq, "_gram", gram)
     for name, t in list(ckpt.tensors.items()):
         read = t.read
         ckpt.tensors[name] = loading.StoredTensor(
@@ -447,7 +461,8 @@ def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypa
     monkeypatch.setattr(mq, "quantize_linear", quantize_linear)
     cal = np.arange(24, dtype=np.int32)[None] % ckpt.config.vocab_size
     mq.quantize_params(ckpt, ckpt.config, mq.WeightSpec("tq4"), cal if calibrated else None)
-    assert alive_at_read == [0] * ckpt.config.num_layers
+    assert alive_at_read == grams_at_read == [0] * ckpt.config.num_layers
+    assert len(grams) == (4 * ckpt.config.num_layers if calibrated else 0)
     n = ckpt.config.num_layers
     per_layer = np.array(alive_at_quantize[:7 * n]).reshape(n, 7)  # q k v | o | gate up | down
     assert per_layer.tolist() == [[7, 7, 7, 4, 3, 3, 1] if calibrated else [7] * 7] * n
