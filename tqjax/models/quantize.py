@@ -284,6 +284,12 @@ HEAD_COLUMNS = 8192  # output-head columns (vocabulary entries) per block of the
 FISHER_SAVED_BYTES = 256 << 20  # layer inputs kept between the two sweeps, at most (about)
 
 
+def table_columns(embed: jax.Array) -> Columns:
+    """A dense embedding table [V, D] as the [D, V] `Columns` of embedᵀ, each block transposed
+    as it is read (never a whole transposed copy)."""
+    return Columns(tuple(embed.shape[::-1]), lambda a, b: embed[a:b].T.astype(jnp.float32))
+
+
 def head_columns(params: Params) -> Columns:
     """The output head as [D, V] `Columns` (f32 blocks): an untied head (dense, or `Columns`
     of a checkpoint), or the tied embedding (dense [V, D] or quantized embedᵀ)."""
@@ -297,8 +303,7 @@ def head_columns(params: Params) -> Columns:
         return Columns((embed.in_features, embed.out_features), lambda a, b: gather_columns(
             embed, jnp.arange(a, b)).T.astype(jnp.float32))
     if head is None and not isinstance(params.embed, (QuantizedLinear, Columns)):
-        embed = params.embed
-        return Columns(tuple(embed.shape[::-1]), lambda a, b: embed[a:b].T.astype(jnp.float32))
+        return table_columns(params.embed)
     raise TqjaxError("the Fisher pass needs a dense or 8-bit head")
 
 
@@ -488,20 +493,17 @@ def _check_windows(calibration: np.ndarray | None, config: ModelConfig) -> np.nd
     return windows.astype(np.int32)
 
 
-def _window_rows(table: jax.Array | Columns, windows: np.ndarray, seed: int
+def _window_rows(table: Columns, windows: np.ndarray, seed: int
                  ) -> tuple[QuantizedLinear, np.ndarray]:
     """The embedding's rows for the tokens in calibration windows int32 [W, T], quantized to
     `EMBEDDING_FORMAT` (each row on its own, as in the whole table; the rotation's float order
     may differ in a few codes), and the windows renumbered into them.
 
-    table: the embedding as embedᵀ [D, V], an array or `Columns`.
+    table: the embedding as embedᵀ [D, V], read a column (token) at a time.
     Returns (a QuantizedLinear [D, U] over the U distinct tokens, windows int32 [W, T] in [0, U)).
     """
     ids = np.unique(windows)
-    if isinstance(table, Columns):
-        rows = np.concatenate([table.read(int(i), int(i) + 1) for i in ids], axis=1)  # [D, U]
-    else:
-        rows = table[:, ids]
+    rows = np.concatenate([table.read(int(i), int(i) + 1) for i in ids], axis=1)  # [D, U]
     return (quantize_linear(jnp.asarray(rows, jnp.float32), EMBEDDING_FORMAT, seed),
             np.searchsorted(ids, windows).astype(np.int32))
 
@@ -541,9 +543,9 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         paths = _linear_names(config.num_layers, untied and spec.quantize_embeddings)
     else:
         paths = linear_paths(params, spec.quantize_embeddings)
-    table = None  # with `spec.quantize_embeddings`: the embedding as embedᵀ [D, V]
+    table = None  # with `spec.quantize_embeddings`: the embedding as embedᵀ [D, V] columns
     if spec.quantize_embeddings:
-        table = params.embed if source else params.embed.T
+        table = params.embed if source else table_columns(params.embed)
         # The table is quantized last, when no Gram or layer input is held beside it; until
         # then the calibration windows embed through its rows for their own tokens, quantized
         # alike. First only where "mixed" measures a tied model: its Fisher pass reads the
