@@ -543,6 +543,13 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         paths = _linear_names(config.num_layers, untied and spec.quantize_embeddings)
     else:
         paths = linear_paths(params, spec.quantize_embeddings)
+    def with_table(params: Params, table: Columns) -> Params:
+        """`params` with the embedding table quantized (its programs then dropped: they are
+        not run again)."""
+        params = params.replace(embed=quantize_linear(table, EMBEDDING_FORMAT, spec.seed))
+        drop_programs()
+        return params
+
     table = None  # with `spec.quantize_embeddings`: the embedding as embedᵀ [D, V] columns
     if spec.quantize_embeddings:
         table = params.embed if source else table_columns(params.embed)
@@ -551,9 +558,7 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         # alike. First only where "mixed" measures a tied model: its Fisher pass reads the
         # whole quantized table as the head.
         if windows is not None and spec.method == MIXED and params.lm_head is None:
-            params = params.replace(embed=quantize_linear(table, EMBEDDING_FORMAT, spec.seed))
-            drop_programs()  # its programs are not run again (the head's are GPTQ's or its own)
-            table = None
+            params, table = with_table(params, table), None
         elif windows is not None:
             window_table, windows = _window_rows(table, windows, spec.seed)
             params = params.replace(embed=window_table)
@@ -624,11 +629,11 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         else:
             params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
                                        layer)
-    trim_heap()  # what the quantizing freed, before the head is read
-    if table is not None:  # (the head's programs are not run again, nor the table's after)
+    if table is None:
+        trim_heap()  # what the quantizing freed, before the head is read
+    else:  # the head's programs are not run again either
         drop_programs()
-        params = params.replace(embed=quantize_linear(table, EMBEDDING_FORMAT, spec.seed))
-        drop_programs()
+        params = with_table(params, table)
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight", runtime=True))
     elif "lm_head" not in formats:
