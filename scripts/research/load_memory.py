@@ -5,6 +5,7 @@ Each (model, mode) runs in a fresh subprocess that imports jax and tqjax, runs o
   base_hwm   peak RSS before the load (the runtime's own base), bytes
   peak_hwm   peak RSS after the load (and after the generate, with --generate), bytes
   rss        RSS after the load, bytes
+  gen_rss    RSS after the generate (with --generate): what the running program holds, bytes
   params     resident parameter bytes (every array leaf of model.params counted once)
   ratio      (peak_hwm - base_hwm) / params  (the issue asks for <= 1.3)
 Modes: float32, bfloat16, float16 (dtype), gguf (`weights="gguf"`, blocks kept), int8, tq4, ...
@@ -78,6 +79,7 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
            "rss": status_bytes("VmRSS"), "params": params, "load_s": round(load_s, 1)}
     if generate:
         tqjax.generate(m, "Once upon a time", max_new_tokens=generate)
+        out["gen_rss"] = status_bytes("VmRSS")
     out["peak_hwm"] = status_bytes("VmHWM")
     out["ratio"] = round((out["load_hwm"] - base) / params, 3)
     if generate:

@@ -522,9 +522,11 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
     Compiled programs are resident while jax caches them, so this clears jax's caches
-    (`drop_programs`) after "mixed" has measured its formats, after a quantized embedding
-    table, before the head and whenever more than `KEPT_PROGRAMS` formats and shapes have been
-    quantized since: the caller's own jitted functions then compile again on their next call.
+    (`drop_programs`) after "mixed" has measured its formats, before the head, once the
+    layers and head are done (so none stays resident beside the quantized model), after a
+    quantized embedding table, and whenever more than `KEPT_PROGRAMS` formats and shapes have
+    been quantized since: the caller's own jitted functions then compile again on their next
+    call.
     """
     if isinstance(params, Checkpoint) and params.blocks:
         raise TqjaxError("a checkpoint opened with its GGUF blocks kept is not quantized again")
@@ -629,10 +631,8 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
         else:
             params, _ = run_sequential(params, config, windows, quantize, "lm_head" in formats,
                                        layer)
-    if table is None:
-        trim_heap()  # what the quantizing freed, before the head is read
-    else:  # the head's programs are not run again either
-        drop_programs()
+    drop_programs()  # no program the quantizing compiled runs again (the head's included)
+    if table is not None:
         params = with_table(params, table)
     if isinstance(params.lm_head, Columns):  # an untied head left dense
         params = params.replace(lm_head=source.leaf("lm_head.weight", runtime=True))
