@@ -47,6 +47,17 @@ def test_model_without_a_tokenizer(script, args, no_tokenizer, tmp_path):
     assert_user_error(run(script, model_flag, no_tokenizer, *args), "tokenizer")
 
 
+def test_gguf_without_a_vocabulary(tmp_path):
+    """A GGUF with weights but no `tokenizer.ggml.*` keys loads without a tokenizer (it was a
+    KeyError traceback), so text generation ends in the one-line tokenizer error."""
+    from .test_loading import write_gguf
+
+    path = tmp_path / "weights_only.gguf"
+    write_gguf("llama", path)
+    assert_user_error(run("generate.py", "--model", path, "--prompt", "hi",
+                          "--max-new-tokens", "2"), "tokenizer")
+
+
 @pytest.mark.parametrize("script,args,needle", [
     ("weights_table.py", ["--report", "{tmp}/missing.json"], "not a weights_table json"),
     ("kv_table.py", ["--report", "{tmp}/missing.jsonl"], "not a kv_table jsonl"),

@@ -101,13 +101,13 @@ def open_model(path_or_name: str | Path, dtype: str = "float32", progress: bool 
                blocks: bool = False) -> tuple[Checkpoint, Tokenizer | None]:
     """An HF directory or .gguf file opened, not read (`loading.Checkpoint`: its config, and
     its tensors read on demand; `blocks`: GGUF blocks kept), and its tokenizer (None for a
-    weights-only directory), built before any tensor is read: what `load` reads a tensor at a
-    time and `quantize_params` a layer at a time. A GGUF file's metadata is dropped once the
-    tokenizer is built (Qwen2.5's vocabulary: tens of MB)."""
+    weights-only directory or GGUF), built before any tensor is read: what `load` reads a
+    tensor at a time and `quantize_params` a layer at a time. A GGUF file's metadata is
+    dropped once the tokenizer is built (Qwen2.5's vocabulary: tens of MB)."""
     path = resolve_path(path_or_name, progress)
-    gguf_tokenizer: list[Tokenizer] = []
+    gguf_tokenizer: list[Tokenizer | None] = []  # (None: a GGUF without a vocabulary)
     source = open_checkpoint(path, dtype, blocks, on_metadata=lambda meta: gguf_tokenizer.append(
-        tokenizer_from_gguf(meta)))
+        tokenizer_from_gguf(meta) if "tokenizer.ggml.tokens" in meta else None))
     source.meta = {}
     return source, gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, source.config)
 
