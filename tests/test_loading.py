@@ -256,6 +256,27 @@ def test_gguf_blocks_logits_match_the_dequantized_model(tiny_gguf):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def test_a_load_drops_the_programs_it_compiled(tiny_gguf, monkeypatch):
+    """The programs a load compiles (the blocks' conversions, the stacking by format) do not
+    run again: jax's caches are cleared once the layers are stacked, so none stays resident
+    beside the model (42 MB for SmolLM2's GGUF); the params are the same bytes."""
+    import tqjax.api as api
+
+    path = tiny_gguf[0]
+    want = tqjax.load(path, weights="gguf")
+    assert want.tokenizer is None  # (a GGUF without a vocabulary: weights only)
+    events: list[str] = []
+    stack = api.stack_layers
+    monkeypatch.setattr(api, "stack_layers",
+                        lambda *a, **k: events.append("stack") or stack(*a, **k))
+    monkeypatch.setattr(jax, "clear_caches", lambda: events.append("clear"))
+    got = tqjax.load(path, weights="gguf")
+    assert events == ["stack", "clear"]
+    for a, b in zip(jax.tree_util.tree_leaves(got.params), jax.tree_util.tree_leaves(want.params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gguf_weights_need_a_gguf_file(tmp_path):
     for path in (GOLDEN / "tiny" / "llama", tmp_path / "missing.gguf"):
         with pytest.raises(TqjaxError) as e:

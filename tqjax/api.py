@@ -37,7 +37,7 @@ from tqjax.models.calibration import calibration_corpus, calibration_windows
 from tqjax.models.checkpoint import is_quantized_checkpoint
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import GGUF_WEIGHTS, Checkpoint, load_checkpoint, open_checkpoint
-from tqjax.models.quantize import WeightSpec, quantize_params
+from tqjax.models.quantize import WeightSpec, drop_programs, quantize_params
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from tqjax.models.transformer import Params, fused_layer, stack_layers
 
@@ -166,6 +166,7 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
             params = quantize_params(source, config, spec, windows, progress=progress)
     if not orbax and any(fused_layer(lp) for lp in params.layers):  # quantized: one compiled
         params = params.replace(layers=stack_layers(params.layers, consume=True))  # per format
+        drop_programs()  # the conversions' and the stacking's programs do not run again
     if mesh is not None and not orbax:
         params = shard_params(params, config, mesh)
     return Model(config, params, tokenizer, str(path), dtype)
