@@ -158,6 +158,8 @@ def test_gguf_tokenizer_errors():
         tokenizer_from_gguf(meta)
     with pytest.raises(TqjaxError, match="'bert'"):
         tokenizer_from_gguf({**meta, "tokenizer.ggml.model": "bert"})
+    # a weights-only GGUF has no vocabulary: no tokenizer, not a KeyError
+    assert tokenizer_from_gguf({"general.architecture": "llama"}) is None
 
 
 # ------------------------------------------------------------------------ GGUF pre-tokenizers

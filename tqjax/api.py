@@ -32,12 +32,13 @@ from tqjax.decode.prompt_cache import (
 )
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
+from tqjax.host import drop_programs
 from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
 from tqjax.models.calibration import calibration_corpus, calibration_windows
 from tqjax.models.checkpoint import is_quantized_checkpoint
 from tqjax.models.config import ModelConfig
 from tqjax.models.loading import GGUF_WEIGHTS, Checkpoint, load_checkpoint, open_checkpoint
-from tqjax.models.quantize import WeightSpec, drop_programs, quantize_params
+from tqjax.models.quantize import WeightSpec, quantize_params
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from tqjax.models.transformer import Params, fused_layer, stack_layers
 
@@ -105,9 +106,9 @@ def open_model(path_or_name: str | Path, dtype: str = "float32", progress: bool 
     tensor at a time and `quantize_params` a layer at a time. A GGUF file's metadata is
     dropped once the tokenizer is built (Qwen2.5's vocabulary: tens of MB)."""
     path = resolve_path(path_or_name, progress)
-    gguf_tokenizer: list[Tokenizer | None] = []  # (None: a GGUF without a vocabulary)
+    gguf_tokenizer: list[Tokenizer | None] = []
     source = open_checkpoint(path, dtype, blocks, on_metadata=lambda meta: gguf_tokenizer.append(
-        tokenizer_from_gguf(meta) if "tokenizer.ggml.tokens" in meta else None))
+        tokenizer_from_gguf(meta)))
     source.meta = {}
     return source, gguf_tokenizer[0] if gguf_tokenizer else _hf_tokenizer(path, source.config)
 

@@ -44,6 +44,14 @@ def trim_heap() -> None:
         pass
 
 
+def drop_programs() -> None:
+    """Free jax's compiled programs (`jax.clear_caches`, any caller's too: they compile again
+    when next run) and return the freed heap (`trim_heap`): for work whose programs do not run
+    again (a load's conversions, a quantizer's), so that none stays beside the model."""
+    jax.clear_caches()
+    trim_heap()
+
+
 def release_large_buffers(threshold: int = 1 << 20) -> bool:
     """Serve heap blocks of `threshold` bytes and more from mmap, so they go back to the OS
     when freed (glibc; the same as MALLOC_MMAP_THRESHOLD_). glibc otherwise raises its

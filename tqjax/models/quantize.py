@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tqjax.errors import TqjaxError
-from tqjax.host import host_buffer, trim_heap
+from tqjax.host import drop_programs, host_buffer
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -214,13 +214,6 @@ def _gram(acts: Iterable[jax.Array]) -> np.ndarray:
 
 
 Quantizer = Callable[[str, Any, jax.Array], Any]
-
-
-def drop_programs() -> None:
-    """Free jax's compiled programs (`jax.clear_caches`, any caller's too: they compile again
-    when next run) and return the freed heap (`trim_heap`)."""
-    jax.clear_caches()
-    trim_heap()
 
 
 def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, quantize: Quantizer,

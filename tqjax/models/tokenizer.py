@@ -196,11 +196,14 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
     return tok
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer | None:
     """Rebuild the tokenizer stored in GGUF metadata: byte-level BPE (`gpt2`, with a known
-    `tokenizer.ggml.pre`) or SentencePiece BPE (`llama`), as HF transformers' GGUF loader does."""
+    `tokenizer.ggml.pre`) or SentencePiece BPE (`llama`), as HF transformers' GGUF loader does.
+    None for a weights-only GGUF (no `tokenizer.ggml.tokens`)."""
     from tokenizers import AddedToken
 
+    if "tokenizer.ggml.tokens" not in meta:
+        return None
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
