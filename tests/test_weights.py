@@ -1050,7 +1050,7 @@ def test_quantizer_drops_its_programs_before_the_head_and_after_the_embedding(
     quantize_linear = mq.quantize_linear
     monkeypatch.setattr(mq, "quantize_linear", lambda w, fmt, *a: (
         events.append(tuple(w.shape)) or quantize_linear(w, fmt, *a)))
-    monkeypatch.setattr(mq.jax, "clear_caches", lambda: events.append("clear"))
+    monkeypatch.setattr(mq, "drop_programs", lambda: events.append("clear"))
     got = quantize_params(tiny.params, tiny.config, spec, cal)
     embed_t, head = tiny.params.embed.shape[::-1], tiny.params.lm_head.shape
     if emb:
@@ -1091,7 +1091,7 @@ def test_mixed_factors_a_shared_gram_in_place_last_and_bounds_its_programs(tiny,
     monkeypatch.setattr(mq, "hessian_factor", record)
     monkeypatch.setattr(mq, "quantize_linear", lambda w, fmt, *a: (
         events.append((fmt, w.shape)) or quantize_linear(w, fmt, *a)))
-    monkeypatch.setattr(mq.jax, "clear_caches", lambda: events.append("clear"))
+    monkeypatch.setattr(mq, "drop_programs", lambda: events.append("clear"))
     monkeypatch.setattr(mq, "KEPT_PROGRAMS", 2)
     got = quantize_params(tiny.params, tiny.config, spec, cal)
     per_layer = [(64, False), (128, True), (64, True), (128, True), (64, True)]

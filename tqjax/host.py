@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 from typing import Any
 
 import jax
@@ -44,11 +45,30 @@ def trim_heap() -> None:
         pass
 
 
+# the modules whose jitted functions only a load or a quantization runs (`drop_programs`)
+LOAD_MODULES = ("tqjax.models", "tqjax.quant")
+
+
 def drop_programs() -> None:
-    """Free jax's compiled programs (`jax.clear_caches`, any caller's too: they compile again
-    when next run) and return the freed heap (`trim_heap`): for work whose programs do not run
-    again (a load's conversions, a quantizer's), so that none stays beside the model."""
-    jax.clear_caches()
+    """Free the compiled programs of work that does not run them again (a load's conversions,
+    a quantizer's), so that none stays beside the model: those of every jitted function in
+    `LOAD_MODULES` and jax's programs for eager operations (jax.numpy outside a jit: small,
+    compiled again in milliseconds when next run), then return the freed heap (`trim_heap`).
+    A caller's own jitted functions and tqjax's decode programs stay compiled
+    (`jax.clear_caches` would drop them too: a decode step compiles for seconds)."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(LOAD_MODULES):
+            continue
+        for value in list(vars(module).values()):
+            clear = getattr(value, "clear_cache", None)  # a jitted function's programs
+            if callable(clear) and hasattr(value, "lower"):
+                clear()
+    try:  # (a private cache: where a jax release has moved it, those few programs stay)
+        from jax._src import dispatch
+
+        dispatch.xla_primitive_callable.cache_clear()
+    except (ImportError, AttributeError):
+        pass
     trim_heap()
 
 

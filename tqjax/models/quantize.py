@@ -79,7 +79,7 @@ EMBEDDING_FORMAT = WeightFormat("tq", 8, 64)
 FISHER_TOKENS = 256  # tokens of each calibration window used for the Fisher information
 FISHER_WINDOWS = 32  # at most this many calibration windows (spread evenly) for Fisher
 # quantizer programs (one per format and weight shape, ~9 MB each, resident while jax caches
-# them) compiled before `quantize_params` clears jax's caches: "mixed" would keep up to ~60
+# them) compiled before `quantize_params` drops them (`drop_programs`): "mixed" would keep ~60
 KEPT_PROGRAMS = 8
 
 
@@ -514,12 +514,11 @@ def quantize_params(params: Params | Checkpoint, config: ModelConfig, spec: Weig
     calibration: token windows int32 [W, T] (never the evaluation text; see
     `calibration_windows`). Without it every tensor is rounded to nearest on its own
     (data-free); with it, codes come from sequential GPTQ and "mixed" weighs errors by Fisher.
-    Compiled programs are resident while jax caches them, so this clears jax's caches
-    (`drop_programs`) after "mixed" has measured its formats, before the head, once the
-    layers and head are done (so none stays resident beside the quantized model), after a
-    quantized embedding table, and whenever more than `KEPT_PROGRAMS` formats and shapes have
-    been quantized since: the caller's own jitted functions then compile again on their next
-    call.
+    Compiled programs are resident while jax caches them, so this drops its own
+    (`host.drop_programs`: a caller's jitted functions stay compiled) after "mixed" has
+    measured its formats, before the head, once the layers and head are done (so none stays
+    resident beside the quantized model), after a quantized embedding table, and whenever more
+    than `KEPT_PROGRAMS` formats and shapes have been quantized since.
     """
     if isinstance(params, Checkpoint) and params.blocks:
         raise TqjaxError("a checkpoint opened with its GGUF blocks kept is not quantized again")
