@@ -88,3 +88,36 @@ def test_stale_old_is_restored_not_deleted(tmp_path, monkeypatch):
 
     atomic.replace_dir(dest, check_restored)
     assert _read(dest) == ("new", "newnew") and not old.exists()
+
+
+def test_errors_name_the_destination_not_the_temporary_path(tmp_path):
+    """A failed write names the path the caller gave (the temporary sibling is internal)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError) as e, atomic.atomic_path(blocker / "out.json"):
+        pass
+    assert e.value.filename == str(blocker / "out.json")
+    with pytest.raises(OSError) as e:
+        atomic.replace_dir(blocker / "ckpt", _fill("a"))
+    assert e.value.filename == str(blocker / "ckpt")
+
+    def fail(tmp):
+        raise OSError(28, "No space left on device", str(tmp))
+
+    with pytest.raises(OSError) as e, atomic.atomic_path(tmp_path / "x.json") as tmp:
+        fail(tmp)
+    assert e.value.filename == str(tmp_path / "x.json") and not list(tmp_path.glob(".x.json*"))
+
+
+def test_files_are_readable_by_others(tmp_path):
+    """Every file of a replaced folder is 0644, as `atomic_path`'s are, whatever mode its
+    writer made (safetensors' writer makes 0600 files)."""
+    def build(tmp):
+        (tmp / "w.bin").write_bytes(b"1")
+        os.chmod(tmp / "w.bin", 0o600)
+
+    atomic.replace_dir(tmp_path / "d", build)
+    assert (tmp_path / "d" / "w.bin").stat().st_mode & 0o777 == 0o644
+    with atomic.atomic_path(tmp_path / "f") as tmp:
+        tmp.write_text("x")
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o644

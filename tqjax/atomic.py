@@ -35,8 +35,11 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     """Yield a temp path next to `dest`; on clean exit it is fsynced and renamed onto `dest`,
     on an exception it is removed and `dest` is left untouched."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    except OSError as e:
+        raise _naming(e, dest) from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -45,10 +48,18 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename == str(tmp):
+            raise _naming(e, dest) from None
         raise
     fsync_dir(dest.parent)
+
+
+def _naming(e: OSError, dest: Path) -> OSError:
+    """The same error about `dest`, where it named the temporary path written first (the user
+    knows `dest`)."""
+    return OSError(e.errno, e.strerror, str(dest))
 
 
 def write_text(dest: str | Path, text: str) -> None:
@@ -119,15 +130,19 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     one is in place.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    recover_dir(dest)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        recover_dir(dest)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as e:
+        raise _naming(e, dest) from None
     old = dest.parent / f".{dest.name}.old"
     try:
         build(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync_file(f)
+                os.chmod(f, 0o644)  # (as `atomic_path`'s files: some writers make 0600 files)
         fsync_dir(tmp)
         os.chmod(tmp, 0o755)
     except BaseException:
