@@ -69,7 +69,8 @@ def test_sampling_rules():
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.01),
                                     dict(min_p=1.0), dict(top_k=-1), dict(repeat_penalty=0.0),
-                                    dict(temperature=float("nan"))])
+                                    dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                    dict(repeat_penalty=float("inf"))])
 def test_invalid_sampling_values(kwargs):
     with pytest.raises(TqjaxError):
         SamplingParams(**kwargs)
@@ -100,6 +101,10 @@ def test_batch_generate_returns_one_result_per_prompt(text_model):
 def test_context_limits(text_model):
     with pytest.raises(TqjaxError, match="longer than the context"):
         tqjax.generate(text_model, "x" * 30, ctx_size=16)
+    limit = text_model.config.max_position
+    for size in (1, limit + 1):  # refused, not clamped to the model's context
+        with pytest.raises(TqjaxError, match=rf"outside \[2, {limit}\]"):
+            tqjax.generate(text_model, "x", ctx_size=size, max_new_tokens=1)
     res = tqjax.generate(text_model, "x" * 10, ctx_size=16, max_new_tokens=50)
     assert res.finish_reason == "length" and res.prompt_tokens + res.generated_tokens <= 16
 
@@ -201,3 +206,21 @@ def test_no_write_past_the_cache_slots(model):
     # grown on the padding grid (slot 57 + a 64-token chunk = 121 -> 128 slots): every other
     # count would be one more decode-step compilation
     assert state.cache.slots == 128
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(stop=[""]), "stop strings"),  # (it would stop at once)
+    (dict(stop=["ok", 3]), "stop strings"),
+    (dict(system="be brief"), "system message"),  # without chat: it would be ignored
+    (dict(n_keep=4), "context_shift"),  # without context_shift: it would be ignored
+])
+def test_options_that_would_do_nothing_or_stop_at_once_are_refused(text_model, kwargs, needle):
+    with pytest.raises(TqjaxError, match=needle):
+        tqjax.generate(text_model, "abc", max_new_tokens=2, **kwargs)
+
+
+def test_a_stop_string_given_alone_is_one_string(text_model):
+    res = tqjax.generate(text_model, "hello", max_new_tokens=12)
+    stop = res.text[3:5]
+    cut = tqjax.generate(text_model, "hello", max_new_tokens=12, stop=stop)
+    assert cut.finish_reason == "stop" and cut.text == res.text[: res.text.find(stop)]

@@ -84,6 +84,8 @@ def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
     """A registered model name is fetched (and cached); anything else is a local path."""
     if str(path_or_name) in fetch.MODEL_NAMES:
         return fetch.fetch_model(str(path_or_name), progress=progress)
+    if not str(path_or_name).strip():  # (Path("") is the working directory)
+        raise TqjaxError(f"empty model name (use a path or one of: {', '.join(fetch.MODEL_NAMES)})")
     path = Path(path_or_name).expanduser()
     if not path.exists():
         raise TqjaxError(f"no such model file or directory: {path} "
@@ -211,7 +213,10 @@ def kv_footprint(model: Model, cache: CacheSpec, context: int | None = None
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
                   system: str | None = None) -> list[int]:
-    """Token ids for a prompt (ids pass through); `chat` applies the chat template."""
+    """Token ids for a prompt (ids pass through); `chat` applies the chat template, with
+    `system` as its system message (a TqjaxError without `chat`)."""
+    if system is not None and not chat:
+        raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
     if not isinstance(prompt, str):
         return list(prompt)
     if model.tokenizer is None:
@@ -263,6 +268,11 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
          ) -> tuple[list[GenerationResult], CacheState]:
     """Generate for tokenized prompts (streaming row 0 when `on_text`); `start` = (starting
     cache, cached token counts). Returns the results and the final cache state."""
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise TqjaxError("stop strings must be non-empty strings")
+    if n_keep and not context_shift:
+        raise TqjaxError("n_keep (--keep) goes with context_shift (--context-shift)")
     streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
     stop_fn = (lambda b, ids: streams[b].final_text(ids)[1]) if stop else None
     kv, cached = start if start is not None else (None, None)
@@ -293,7 +303,12 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
 
 
 def _context(model: Model, ctx_size: int | None) -> int:
-    return min(ctx_size or model.config.max_position, model.config.max_position)
+    """The context in tokens: `ctx_size`, or the model's for None or 0; outside [2, the
+    model's] a TqjaxError (not clamped: the caller asked for another size)."""
+    limit = model.config.max_position
+    if ctx_size and not 2 <= ctx_size <= limit:
+        raise TqjaxError(f"context size {ctx_size} is outside [2, {limit}] (the model's context)")
+    return ctx_size or limit
 
 
 def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
@@ -330,6 +345,8 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     if batched:
         raise TqjaxError("a prompt cache file goes with a single prompt")
     ids, path, meta = prompts[0], Path(prompt_cache), model.cache_meta(cache)
+    if path.is_dir():
+        raise TqjaxError(f"prompt cache {path} is a directory; give a file")
     start, saved = None, []
     if path.exists():
         kv, saved = load_prompt_cache(path, meta, saved_length(path))

@@ -10,6 +10,7 @@ sampling path runs only when some row samples.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -32,16 +33,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise TqjaxError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise TqjaxError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise TqjaxError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise TqjaxError(f"min-p must be in [0, 1), got {self.min_p}")
         if self.top_k < 0:
             raise TqjaxError(f"top-k must be >= 0, got {self.top_k}")
-        if not self.repeat_penalty > 0:
-            raise TqjaxError(f"repeat penalty must be > 0, got {self.repeat_penalty}")
+        if not 0 < self.repeat_penalty < math.inf:
+            raise TqjaxError(f"repeat penalty must be finite and > 0, got {self.repeat_penalty}")
 
 
 @struct.dataclass

@@ -371,8 +371,12 @@ def check_spec(spec: CacheSpec) -> None:
 
 
 def layer_types(spec: CacheSpec, num_layers: int) -> list[tuple[str, str]]:
-    """(key type, value type) per layer, boundary layers applied."""
+    """(key type, value type) per layer, boundary layers applied; a TqjaxError where the
+    boundary layers would be every layer (the asked types then in none)."""
     n = spec.boundary_layers
+    if n and 2 * n >= num_layers:
+        raise TqjaxError(f"{n} boundary layers at each end would be all {num_layers} layers, "
+                         f"none of them {spec.k}/{spec.v} (at most {(num_layers - 1) // 2})")
     return [(spec.boundary_type, spec.boundary_type) if i < n or i >= num_layers - n
             else (spec.k, spec.v) for i in range(num_layers)]
 
@@ -624,9 +628,9 @@ def parse_kv(text: str) -> tuple[str, str]:
     """A "K" or "K/V" cache-type string (e.g. "turbo4", "turbo4/turbo3") -> (key type, value
     type); "K" alone is both. Raises TqjaxError with one line on an empty, malformed or unknown
     type (the names are `STORE_FACTORIES`' keys)."""
-    k, _, v = text.strip().partition("/")
-    k, v = k.strip(), v.strip() or k.strip()
-    if not k or "/" in v:
+    k, slash, v = (part.strip() for part in text.strip().partition("/"))
+    v = v if slash else k
+    if not k or not v or "/" in v:
         raise TqjaxError(f"bad cache types {text!r}: expected K or K/V, e.g. turbo4/turbo3")
     check_spec(CacheSpec(k, v))
     return k, v
