@@ -113,6 +113,50 @@ def test_invalid_sampling_values(flag, value, needle):
     assert_user_error(run("generate.py", "--model", "/nonexistent", flag, value), needle)
 
 
+@pytest.mark.parametrize("script,args,needle", [
+    ("generate.py", ["--keep", "5"], "--keep goes with --context-shift"),
+    ("generate.py", ["--system", "be brief"], "--system goes with --chat"),
+    ("generate.py", ["--stop", ""], "--stop needs a non-empty"),
+    ("generate.py", ["--temperature", "inf"], "temperature must be finite"),
+    ("generate.py", ["--repeat-penalty", "inf"], "repeat penalty must be finite"),
+    ("generate.py", ["--kv", "turbo4/"], "bad cache types"),
+    ("generate.py", ["--prompt-cache", "{tmp}"], "is a directory"),
+    ("generate.py", ["--prompt-cache", "{file}/pc.safetensors"], "cannot write --prompt-cache"),
+    ("perplexity.py", ["--max-tokens", "-5"], "--max-tokens must be >= 0"),
+    ("perplexity.py", ["--ctx-size", "1"], "--ctx-size must be >= 2"),
+    ("quantize.py", ["--out", "{file}/ckpt"], "cannot write --out"),
+    ("bench.py", ["--out", "{file}/run.json", "--bandwidth", "10"], "cannot write --out"),
+])
+def test_options_refused_before_the_model_is_read(script, args, needle, tmp_path):
+    """Checked before the (slow) load, quantization or run: the model path does not exist."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    args = [a.format(tmp=tmp_path, file=blocker) for a in args]
+    assert_user_error(run(script, "--model", "/nonexistent", *args), needle.lower())
+
+
+def test_an_empty_model_name_is_not_the_working_directory(tiny_model):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m", ""],
+                          capture_output=True, text=True, cwd=tiny_model, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert_user_error(proc, "empty model name")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ctx-size", "100000"], "outside [2, 256]"),  # the tiny model's context
+    (["--kv", "turbo4", "--kv-boundary-layers", "1"], "boundary layers"),  # 2 layers: all
+])
+def test_options_refused_against_the_model(tiny_model, args, needle):
+    assert_user_error(run("generate.py", "--model", tiny_model, "-n", "2", *args), needle)
+
+
+def test_decode_speed_of_two_tokens_is_not_a_zero(tiny_model):
+    """The first two tokens are not timed (prefill, the step's compile): no speed, not 0."""
+    proc = run("generate.py", "--model", tiny_model, "--prompt", "hi", "-n", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["decode_tok_s"] is None
+
+
 def test_perplexity_compare_uses_the_unquantized_model_as_reference(tiny_model, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)

@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="parameter and compute dtype (default float32: fastest on CPU)")
     p.add_argument("--weights", default=None, choices=[*METHODS, MIXED, GGUF_WEIGHTS],
-                   help="quantize the weights on the fly (see scripts/quantize.py to save them); "
+                   help="quantize the weights on the fly (tqjax-quantize saves them); "
                         f"{GGUF_WEIGHTS}: keep a .gguf file's quantized blocks as they are")
     p.add_argument("--bpw", type=float, default=None, help="target bits per weight for mixed")
     p.add_argument("--quantize-embeddings", action="store_true",
@@ -171,20 +171,26 @@ def user_error_text(e: BaseException) -> str | None:
     return None
 
 
-def check_writable(path: Path, what: str = "--out", folder: bool = False) -> Path:
-    """Fail early, before any work, when `path` cannot be written: a file's folder must exist
-    and take a new file (a folder output, `folder=True`, is created if missing). Returns
-    `path`; raises TqjaxError with one line otherwise."""
+def check_writable(path: Path, what: str = "--out", folder: bool = False,
+                   whole: bool = False) -> Path:
+    """Fail early, before any work, when `path` cannot be written: its nearest existing folder
+    must take a new entry (missing folders are made when the output is written). A file output
+    must not be a folder; `folder=True`: a folder that files are written into, created now if
+    missing; `whole=True`: a folder written whole and swapped into place
+    (`atomic.replace_dir`), so it may exist. Returns `path`; raises TqjaxError with one line
+    otherwise."""
     import tempfile
 
     path = Path(path)
-    target = path if folder else path.parent
     try:
-        if not folder and path.is_dir():
+        if not (folder or whole) and path.is_dir():
             raise IsADirectoryError(21, "is a directory", str(path))
         if folder:
-            target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target or "."):
+            path.mkdir(parents=True, exist_ok=True)
+        target = path if folder else path.absolute().parent
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        with tempfile.TemporaryFile(dir=target):
             pass
     except OSError as e:
         raise TqjaxError(f"cannot write {what} {path}: {e.strerror or e}") from None

@@ -46,6 +46,7 @@ from tqjax.cli import (
     ArgumentParser,
     add_model_args,
     cache_spec,
+    check_writable,
     model_mesh,
     print_json,
     run_main,
@@ -508,8 +509,8 @@ def run(argv: list[str] | None = None) -> int:
     context, slots = check_sizes(args)
     if args.bandwidth is not None and args.bandwidth <= 0:
         raise TqjaxError("--bandwidth must be > 0 GB/s")
-    if args.out and Path(args.out).is_dir():
-        raise TqjaxError(f"--out {args.out} is a directory")
+    if args.out:
+        check_writable(Path(args.out))  # before the run, not after it
     path = str(resolve_path(args.model))
     bandwidth = ({"copy_gbps": args.bandwidth, "method": "given (--bandwidth)"}
                  if args.bandwidth is not None else bandwidth_in_subprocess())

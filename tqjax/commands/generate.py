@@ -6,11 +6,13 @@ Streams text to stdout; `--json` prints one final JSON line instead.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from tqjax.cli import (
     ArgumentParser,
     add_model_args,
     cache_spec,
+    check_writable,
     model_mesh,
     print_json,
     run_main,
@@ -63,8 +65,16 @@ def run(argv: list[str] | None = None) -> int:
         raise tqjax.TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     if args.prompt_cache_ro and args.prompt_cache is None:
         raise tqjax.TqjaxError("--prompt-cache-ro goes with --prompt-cache FILE")
+    if args.prompt_cache is not None and not args.prompt_cache_ro:
+        check_writable(Path(args.prompt_cache), "--prompt-cache")
     if args.keep < -1:
         raise tqjax.TqjaxError(f"--keep must be >= -1, got {args.keep}")
+    if args.keep and not args.context_shift:
+        raise tqjax.TqjaxError("--keep goes with --context-shift")
+    if args.system is not None and not args.chat:
+        raise tqjax.TqjaxError("--system goes with --chat (the chat template)")
+    if not all(args.stop):
+        raise tqjax.TqjaxError("--stop needs a non-empty string")
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        quantize_embeddings=args.quantize_embeddings,
                        progress=not args.json, mesh=mesh)
@@ -83,6 +93,8 @@ def run(argv: list[str] | None = None) -> int:
             on_text=None if args.json else stream, context_shift=args.context_shift,
             n_keep=args.keep, prompt_cache=args.prompt_cache,
             prompt_cache_ro=args.prompt_cache_ro)
+    # decode speed: the first two tokens are not timed (prefill; the step's compile)
+    timed = result.decode_tok_s if result.generated_tokens > 2 else None
     if args.json:
         print_json({
             "text": result.text, "token_ids": result.token_ids,
@@ -90,7 +102,7 @@ def run(argv: list[str] | None = None) -> int:
             "finish_reason": result.finish_reason, "cached_tokens": result.cached_tokens,
             "context_shifts": result.context_shifts,
             "prefill_tok_s": round(result.prefill_tok_s, 2),
-            "decode_tok_s": round(result.decode_tok_s, 2),
+            "decode_tok_s": None if timed is None else round(timed, 2),
             "model": model.source, "dtype": args.dtype, "backend": args.backend,
             "cache_type_k": spec.k, "cache_type_v": spec.v,
             **kv_footprint(model, spec, args.ctx_size),
@@ -99,7 +111,8 @@ def run(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
         cached = f" ({result.cached_tokens} from the prompt cache)" if result.cached_tokens else ""
         print(f"[{result.prompt_tokens} prompt tokens{cached} at {result.prefill_tok_s:.1f} tok/s, "
-              f"{result.generated_tokens} generated at {result.decode_tok_s:.1f} tok/s]",
+              f"{result.generated_tokens} generated"
+              f"{'' if timed is None else f' at {timed:.1f} tok/s'}]",
               file=sys.stderr)
     return 0
 

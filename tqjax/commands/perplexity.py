@@ -53,6 +53,10 @@ def run(argv: list[str] | None = None) -> int:
 
     spec = cache_spec(args)
     mesh = model_mesh(args)
+    if args.max_tokens < 0:
+        raise TqjaxError(f"--max-tokens must be >= 0 (0 = all), got {args.max_tokens}")
+    if args.ctx_size < 2:
+        raise TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     if args.text_file is not None:
         if not args.text_file.is_file():
             raise TqjaxError(f"no such text file: {args.text_file}")
@@ -76,6 +80,9 @@ def run(argv: list[str] | None = None) -> int:
     ids = model.tokenizer.encode(text, add_bos=False)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
+    if len(ids) < args.ctx_size:
+        raise TqjaxError(f"{len(ids)} tokens of text{' (--max-tokens)' if args.max_tokens else ''}"
+                         f" do not fill one window of --ctx-size {args.ctx_size}")
     t0 = time.perf_counter()
     args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
     with use_backend(args.backend):

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, print_json, run_main
+from tqjax.cli import ArgumentParser, check_writable, print_json, run_main
 
 CALIBRATION_HELP = ("calibration text for GPTQ and mixed-precision sensitivities: 'default' "
                     "(shipped in tqjax/data: built-in text, Milton, stdlib modules outside the "
@@ -64,7 +64,7 @@ def run(argv: list[str] | None = None) -> int:
     import tqjax
     from tqjax.api import open_model, resolve_path
     from tqjax.models.calibration import calibration_source, calibration_windows, text_sha256
-    from tqjax.models.checkpoint import save_quantized
+    from tqjax.models.checkpoint import check_target, save_quantized
     from tqjax.models.orbax_checkpoint import is_orbax_checkpoint
     from tqjax.models.quantize import WeightSpec, quantize_params
     from tqjax.quant.accounting import params_bits
@@ -73,6 +73,7 @@ def run(argv: list[str] | None = None) -> int:
                       quantize_embeddings=args.quantize_embeddings, seed=args.seed)
     if args.calibration_windows < 1 or args.calibration_length < 2:
         raise tqjax.TqjaxError("--calibration-windows must be >= 1 and --calibration-length >= 2")
+    check_target(check_writable(args.out, whole=True))  # before minutes of quantizing
     t0 = time.perf_counter()
     path = resolve_path(args.model, progress=not args.json)
     if is_orbax_checkpoint(path):  # sharded pytrees: restored whole, then quantized

@@ -1,5 +1,7 @@
-"""Serve a model over an OpenAI-compatible HTTP API with continuous batching:
-`python scripts/serve.py -m smollm2-135m-instruct --kv turbo4 --slots 4 --port 8080`.
+"""Serve a model over an OpenAI-compatible HTTP API with continuous batching.
+
+`tqjax-serve -m smollm2-135m-instruct --kv turbo4 --slots 4 --port 8080` (or
+`python scripts/serve.py ...`).
 
 FastAPI + uvicorn (`tqjax.serve.server`); the engine (`tqjax.serve.engine`) keeps `--slots`
 cache rows of `--ctx-size` positions and batches every running request into one decode step.

@@ -333,11 +333,17 @@ def write_dir_atomically(target: Path, fill: Callable[[Path], None]) -> None:
     """Create directory `target` by fill(tmp) on a temporary sibling, then swap it into place
     (`tqjax.atomic.replace_dir`). An existing quantized checkpoint (or empty directory) at
     `target` is replaced; any other existing path raises TqjaxError and is left untouched."""
+    replace_dir(check_target(target), fill)
+
+
+def check_target(target: Path) -> Path:
+    """`target` (absolute) if a checkpoint may be written there: nothing, an empty directory
+    or a quantized checkpoint (then replaced); any other existing path raises TqjaxError."""
     target = target.expanduser().absolute()
     if target.exists() and not (is_quantized_checkpoint(target) or
                                 (target.is_dir() and not any(target.iterdir()))):
         raise TqjaxError(f"{target} exists and is not a quantized checkpoint; not overwriting it")
-    replace_dir(target, fill)
+    return target
 
 
 # ---------------------------------------------------------------- save / load
