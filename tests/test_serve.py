@@ -276,6 +276,26 @@ def test_faults_give_their_status_and_the_server_keeps_serving(model, live, monk
     assert out.choices[0].text == offline(model, "after", 4).text
 
 
+def test_invalid_chat_messages_are_400_naming_the_field(live):
+    url = live.url + "/v1/chat/completions"
+    cases = [
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "system", "content": None}], "messages[0].content"),
+        ([{"role": "bogus", "content": "hi"}], "messages[0].role"),
+        ([{"role": "user", "content": "hi"}, {"content": "hi"}], "messages[1].role"),
+        ([], "messages"),
+    ]
+    for messages, field in cases:
+        resp = post(url, json={"messages": messages, "max_tokens": 3})
+        assert status_and_error(resp) == 400, messages
+        err = resp.json()["error"]
+        assert err["message"].startswith(field + ":") and err["param"] == field, err
+    # an assistant's null content reads as empty
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+            {"role": "user", "content": "again"}]
+    assert post(url, json={"messages": msgs, "max_tokens": 3}).status_code == 200
+
+
 def test_disconnect_frees_the_slot(live, monkeypatch):
     real = live.engine._decode
 

@@ -112,8 +112,11 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
+    """One chat message: content is required except for an assistant's (null reads as empty);
+    the server has no tools, so no "tool" role."""
+
     model_config = ConfigDict(extra="ignore")
-    role: str
+    role: Literal["system", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
 
@@ -171,8 +174,13 @@ class _Metrics:
 
 
 def _param(loc: tuple) -> str | None:
-    parts = [str(x) for x in loc if x not in ("body",)]
-    return ".".join(parts) or None
+    """A pydantic error location as a field path, e.g. messages[0].role."""
+    out = ""
+    for x in loc:
+        if x == "body":
+            continue
+        out += f"[{x}]" if isinstance(x, int) else f".{x}" if out else str(x)
+    return out or None
 
 
 def _validate(model: type[BaseModel], raw: bytes) -> Any:  # noqa: ANN401
@@ -367,8 +375,11 @@ class Server:
     async def chat(self, http: Request) -> Any:  # noqa: ANN401
         body: ChatRequest = _validate(ChatRequest, await http.body())
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
+            if content is None and m.role != "assistant":
+                param = f"messages[{i}].content"
+                raise ApiError(400, f"{param}: a {m.role} message needs content", param=param)
             if isinstance(content, list):
                 content = "".join(p.text for p in content)
             messages.append({"role": m.role, "content": content or ""})
