@@ -45,17 +45,19 @@ def trim_heap() -> None:
         pass
 
 
-# the modules whose jitted functions only a load or a quantization runs (`drop_programs`)
-LOAD_MODULES = ("tqjax.models", "tqjax.quant")
+# the modules whose jitted functions only a load or a quantization runs (`drop_programs`),
+# and jax's own (jax.numpy's functions, run eagerly, are jitted functions of jax's modules)
+LOAD_MODULES = ("tqjax.models", "tqjax.quant", "jax.")
 
 
 def drop_programs() -> None:
     """Free the compiled programs of work that does not run them again (a load's conversions,
     a quantizer's), so that none stays beside the model: those of every jitted function in
-    `LOAD_MODULES` and jax's programs for eager operations (jax.numpy outside a jit: small,
-    compiled again in milliseconds when next run), then return the freed heap (`trim_heap`).
-    A caller's own jitted functions and tqjax's decode programs stay compiled
-    (`jax.clear_caches` would drop them too: a decode step compiles for seconds)."""
+    `LOAD_MODULES`, and jax's tracing, lowering and eager-operation caches (jax.numpy outside a
+    jit: small programs, compiled again in milliseconds when next run); then return the freed
+    heap (`trim_heap`). A caller's own jitted functions and tqjax's decode programs stay
+    compiled: their calls are served by each function's own cache (`jax.clear_caches` would
+    drop them too, and a decode step compiles for seconds)."""
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(LOAD_MODULES):
             continue
@@ -63,10 +65,10 @@ def drop_programs() -> None:
             clear = getattr(value, "clear_cache", None)  # a jitted function's programs
             if callable(clear) and hasattr(value, "lower"):
                 clear()
-    try:  # (a private cache: where a jax release has moved it, those few programs stay)
-        from jax._src import dispatch
+    try:  # (private: where a jax release has moved it, the cached traces stay)
+        from jax._src import util
 
-        dispatch.xla_primitive_callable.cache_clear()
+        util.clear_all_caches()
     except (ImportError, AttributeError):
         pass
     trim_heap()
