@@ -119,7 +119,6 @@ def test_invalid_sampling_values(flag, value, needle):
     ("generate.py", ["--stop", ""], "--stop needs a non-empty"),
     ("generate.py", ["--temperature", "inf"], "temperature must be finite"),
     ("generate.py", ["--repeat-penalty", "inf"], "repeat penalty must be finite"),
-    ("generate.py", ["--kv", "turbo4/"], "bad cache types"),
     ("generate.py", ["--prompt-cache", "{tmp}"], "is a directory"),
     ("generate.py", ["--prompt-cache", "{file}/pc.safetensors"], "cannot write --prompt-cache"),
     ("perplexity.py", ["--max-tokens", "-5"], "--max-tokens must be >= 0"),

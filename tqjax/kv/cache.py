@@ -628,9 +628,9 @@ def parse_kv(text: str) -> tuple[str, str]:
     """A "K" or "K/V" cache-type string (e.g. "turbo4", "turbo4/turbo3") -> (key type, value
     type); "K" alone is both. Raises TqjaxError with one line on an empty, malformed or unknown
     type (the names are `STORE_FACTORIES`' keys)."""
-    k, slash, v = (part.strip() for part in text.strip().partition("/"))
-    v = v if slash else k
-    if not k or not v or "/" in v:
+    k, _, v = text.strip().partition("/")
+    k, v = k.strip(), v.strip() or k.strip()
+    if not k or "/" in v:
         raise TqjaxError(f"bad cache types {text!r}: expected K or K/V, e.g. turbo4/turbo3")
     check_spec(CacheSpec(k, v))
     return k, v
