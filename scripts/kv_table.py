@@ -63,6 +63,7 @@ def main() -> int:
         print_markdown(read_rows(args.report))
         return 0
     check_writable(args.out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # (appended to, not written atomically)
 
     import dataclasses
 

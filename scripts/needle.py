@@ -55,7 +55,8 @@ def main() -> int:
         row = {"depth": depth, "needle": code}
         for name, spec in specs.items():
             res = tqjax.generate(model, prompt, chat=True, max_new_tokens=args.max_new_tokens,
-                                 cache=spec, ctx_size=args.filler_tokens + 512)
+                                 cache=spec,
+                                 ctx_size=min(args.filler_tokens + 512, model.config.max_position))
             row[name] = {"answer": res.text.strip(), "retrieved": code in res.text,
                          "prompt_tokens": res.prompt_tokens}
         ref = next(iter(specs))

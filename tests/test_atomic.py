@@ -90,16 +90,30 @@ def test_stale_old_is_restored_not_deleted(tmp_path, monkeypatch):
     assert _read(dest) == ("new", "newnew") and not old.exists()
 
 
-def test_errors_name_the_destination_not_the_temporary_path(tmp_path):
-    """A failed write names the path the caller gave (the temporary sibling is internal)."""
+def test_errors_name_the_destination_not_the_temporary_path(tmp_path, monkeypatch):
+    """A failed write names the path the caller gave, not its temporary sibling (internal);
+    a folder that cannot be made keeps its own name (the real problem)."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OSError) as e, atomic.atomic_path(blocker / "out.json"):
         pass
-    assert e.value.filename == str(blocker / "out.json")
+    assert e.value.filename == str(blocker)
     with pytest.raises(OSError) as e:
         atomic.replace_dir(blocker / "ckpt", _fill("a"))
-    assert e.value.filename == str(blocker / "ckpt")
+    assert e.value.filename == str(blocker)
+
+    def refuse(*a, prefix: str, dir, **k):  # noqa: A002  (an unwritable folder: /proc)
+        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1y2"))
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", refuse)
+    with pytest.raises(OSError) as e, atomic.atomic_path(tmp_path / "out.json"):
+        pass
+    assert e.value.filename == str(tmp_path / "out.json")
+    with pytest.raises(OSError) as e:
+        atomic.replace_dir(tmp_path / "ckpt", _fill("a"))
+    assert e.value.filename == str(tmp_path / "ckpt")
+    monkeypatch.undo()
 
     def fail(tmp):
         raise OSError(28, "No space left on device", str(tmp))

@@ -220,7 +220,10 @@ def test_options_that_would_do_nothing_or_stop_at_once_are_refused(text_model, k
 
 
 def test_a_stop_string_given_alone_is_one_string(text_model):
-    res = tqjax.generate(text_model, "hello", max_new_tokens=12)
-    stop = res.text[3:5]
-    cut = tqjax.generate(text_model, "hello", max_new_tokens=12, stop=stop)
-    assert cut.finish_reason == "stop" and cut.text == res.text[: res.text.find(stop)]
+    """stop="ab" stops at "ab", not at the first "a" or "b" (its characters as stops)."""
+    text = tqjax.generate(text_model, "hello", max_new_tokens=24).text
+    at, stop = next((p, text[p:p + 2]) for p in range(1, len(text) - 1)
+                    if text.find(text[p:p + 2]) == p and text[p] in text[:p])
+    cut = tqjax.generate(text_model, "hello", max_new_tokens=24, stop=stop)
+    assert cut.finish_reason == "stop" and cut.text == text[:at]
+    assert min(text.find(c) for c in stop) < at  # (so a per-character stop would cut sooner)

@@ -283,9 +283,12 @@ def test_a_load_keeps_the_callers_programs(tiny_gguf, weights):
     eager operations'; a caller's jitted function and a forward pass compiled for another
     model stay compiled (`jax.clear_caches` dropped them too: a decode step compiles again for
     seconds), and no more programs are alive than before the load."""
+    import gc
+
     import jax.extend
 
     from tqjax.decode.generate import full_logits
+    from tqjax.host import drop_programs
     from tqjax.quant.weights import _quantize_block
 
     backend = jax.extend.backend.get_backend()
@@ -295,6 +298,9 @@ def test_a_load_keeps_the_callers_programs(tiny_gguf, weights):
     mine(jnp.ones(8))
     jnp.sum(jnp.ones(8) + 1)  # eager operations: their programs are jax's, cheap to make again
     assert steps >= 1 and mine._cache_size() == 1
+    drop_programs()  # (what earlier tests left) the caller's stay
+    gc.collect()
+    assert mine._cache_size() == 1 and full_logits._cache_size() == steps
     before = len(backend.live_executables())
     path = GOLDEN / "tiny" / "llama" if weights == "tq4" else tiny_gguf[0]
     tqjax.load(path, weights=weights)

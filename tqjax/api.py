@@ -215,7 +215,7 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
                   system: str | None = None) -> list[int]:
     """Token ids for a prompt (ids pass through); `chat` applies the chat template, with
     `system` as its system message (a TqjaxError without `chat`)."""
-    if system is not None and not chat:
+    if system and not chat:
         raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
     if not isinstance(prompt, str):
         return list(prompt)
@@ -322,6 +322,10 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     """Generate a continuation; a list of strings is run as one batch (one result each).
 
     Greedy when temperature is 0. `on_text` receives streamed text pieces (single prompt).
+    `stop`: strings that end the text (a lone string is one; an empty one is a TqjaxError).
+    `chat` applies the chat template, with `system` as its system message (a TqjaxError
+    without `chat`). `ctx_size`: the context, the model's by default; outside [2, the
+    model's] a TqjaxError.
     `context_shift`: when a sequence fills the context (`ctx_size`), keep its first `n_keep`
     tokens (-1: the whole prompt), drop half of the rest and go on, like llama.cpp (dense
     key caches only); off: stop with finish reason "length".

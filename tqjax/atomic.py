@@ -39,7 +39,10 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     except OSError as e:
-        raise _naming(e, dest) from None
+        named = _naming(e, dest)
+        if named is e:
+            raise
+        raise named from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -50,15 +53,21 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         os.replace(tmp, dest)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename == str(tmp):
-            raise _naming(e, dest) from None
-        raise
+        named = _naming(e, dest)
+        if named is e:
+            raise
+        raise named from None
     fsync_dir(dest.parent)
 
 
-def _naming(e: OSError, dest: Path) -> OSError:
-    """The same error about `dest`, where it named the temporary path written first (the user
-    knows `dest`)."""
+def _naming(e: BaseException, dest: Path) -> BaseException:
+    """An OSError about a temporary sibling of `dest` (".<name>.…") as the same error about
+    `dest`, which the user knows; any other error as it is (a missing or unwritable folder
+    keeps its own name)."""
+    name = getattr(e, "filename", None)
+    if not isinstance(e, OSError) or name is None or Path(name).parent != dest.parent or \
+            not Path(name).name.startswith(f".{dest.name}."):
+        return e
     return OSError(e.errno, e.strerror, str(dest))
 
 
@@ -135,12 +144,15 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
         recover_dir(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     except OSError as e:
-        raise _naming(e, dest) from None
+        named = _naming(e, dest)
+        if named is e:
+            raise
+        raise named from None
     old = dest.parent / f".{dest.name}.old"
     try:
         build(tmp)
         for f in tmp.rglob("*"):
-            if f.is_file():
+            if f.is_file() and not f.is_symlink():
                 _fsync_file(f)
                 os.chmod(f, 0o644)  # (as `atomic_path`'s files: some writers make 0600 files)
         fsync_dir(tmp)

@@ -47,7 +47,8 @@ def trim_heap() -> None:
 
 # the modules whose jitted functions only a load or a quantization runs (`drop_programs`),
 # and jax's own (jax.numpy's functions, run eagerly, are jitted functions of jax's modules)
-LOAD_MODULES = ("tqjax.models", "tqjax.quant", "jax.")
+LOAD_MODULES = ("tqjax.models", "tqjax.quant", "jax")
+_JITTED = type(jax.jit(lambda: None))  # what jax.jit returns
 
 
 def drop_programs() -> None:
@@ -57,14 +58,14 @@ def drop_programs() -> None:
     jit: small programs, compiled again in milliseconds when next run); then return the freed
     heap (`trim_heap`). A caller's own jitted functions and tqjax's decode programs stay
     compiled: their calls are served by each function's own cache (`jax.clear_caches` would
-    drop them too, and a decode step compiles for seconds)."""
+    drop them too, and a decode step compiles for seconds). A function that jax cannot serve
+    from that cache (one with side effects, e.g. `jax.debug.print`) is traced again."""
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(LOAD_MODULES):
+        if module is None or not any(name == m or name.startswith(m + ".") for m in LOAD_MODULES):
             continue
         for value in list(vars(module).values()):
-            clear = getattr(value, "clear_cache", None)  # a jitted function's programs
-            if callable(clear) and hasattr(value, "lower"):
-                clear()
+            if isinstance(value, _JITTED):
+                value.clear_cache()
     try:  # (private: where a jax release has moved it, the cached traces stay)
         from jax._src import util
 

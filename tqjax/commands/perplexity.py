@@ -80,9 +80,6 @@ def run(argv: list[str] | None = None) -> int:
     ids = model.tokenizer.encode(text, add_bos=False)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
-    if len(ids) < args.ctx_size:
-        raise TqjaxError(f"{len(ids)} tokens of text{' (--max-tokens)' if args.max_tokens else ''}"
-                         f" do not fill one window of --ctx-size {args.ctx_size}")
     t0 = time.perf_counter()
     args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
     with use_backend(args.backend):
