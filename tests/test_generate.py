@@ -219,6 +219,11 @@ def test_options_that_would_do_nothing_or_stop_at_once_are_refused(text_model, k
         tqjax.generate(text_model, "abc", max_new_tokens=2, **kwargs)
 
 
+def test_the_chat_template_needs_text(text_model):
+    with pytest.raises(TqjaxError, match="text prompt"):  # (token ids skipped it silently)
+        tqjax.generate(text_model, [1, 2, 3], max_new_tokens=2, chat=True)
+
+
 def test_a_stop_string_given_alone_is_one_string(text_model):
     """stop="ab" stops at "ab", not at the first "a" or "b" (its characters as stops)."""
     text = tqjax.generate(text_model, "hello", max_new_tokens=24).text

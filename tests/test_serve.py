@@ -294,6 +294,14 @@ def test_invalid_chat_messages_are_400_naming_the_field(live):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
             {"role": "user", "content": "again"}]
     assert post(url, json={"messages": msgs, "max_tokens": 3}).status_code == 200
+    # "developer" (OpenAI's newer name) is the system role: the same prompt, the same reply
+    replies = [post(url, json={"messages": [{"role": role, "content": "Be brief."},
+                                            {"role": "user", "content": "hi"}],
+                               "max_tokens": 4, "temperature": 0}).json()
+               for role in ("system", "developer")]
+    assert replies[0]["usage"]["prompt_tokens"] == replies[1]["usage"]["prompt_tokens"]
+    assert (replies[0]["choices"][0]["message"]["content"]
+            == replies[1]["choices"][0]["message"]["content"])
 
 
 def test_disconnect_frees_the_slot(live, monkeypatch):

@@ -218,6 +218,8 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
     if system and not chat:
         raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
     if not isinstance(prompt, str):
+        if chat:
+            raise TqjaxError("the chat template needs a text prompt, not token ids")
         return list(prompt)
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; pass token ids instead of text")

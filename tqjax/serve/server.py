@@ -113,10 +113,11 @@ class ContentPart(BaseModel):
 
 class Message(BaseModel):
     """One chat message: content is required except for an assistant's (null reads as empty);
-    the server has no tools, so no "tool" role."""
+    "developer" (OpenAI's newer name for system instructions) is read as "system"; the server
+    has no tools, so no "tool" role."""
 
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
 
@@ -382,7 +383,8 @@ class Server:
                 raise ApiError(400, f"{param}: a {m.role} message needs content", param=param)
             if isinstance(content, list):
                 content = "".join(p.text for p in content)
-            messages.append({"role": m.role, "content": content or ""})
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": content or ""})
         try:
             ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages),
                                         add_bos=False)
