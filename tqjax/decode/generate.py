@@ -156,11 +156,11 @@ class GenerationResult:
         return done / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
-    def decode_tok_s(self) -> float:
+    def decode_tok_s(self) -> float | None:
         """Steady-state decode speed: the first token comes from the prefill and the first
-        decode step (which compiles) is not timed."""
+        decode step (which compiles) is not timed; None where nothing was (under 3 tokens)."""
         steps = self.generated_tokens - 2
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else None
 
 
 @dataclasses.dataclass
