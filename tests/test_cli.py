@@ -114,9 +114,9 @@ def test_invalid_sampling_values(flag, value, needle):
 
 
 @pytest.mark.parametrize("script,args,needle", [
-    ("generate.py", ["--keep", "5"], "--keep goes with --context-shift"),
-    ("generate.py", ["--system", "be brief"], "--system goes with --chat"),
-    ("generate.py", ["--stop", ""], "--stop needs a non-empty"),
+    ("generate.py", ["--keep", "5"], "n_keep (--keep) goes with context_shift (--context-shift)"),
+    ("generate.py", ["--system", "be brief"], "a system message goes with the chat template"),
+    ("generate.py", ["--stop", ""], "stop strings must be non-empty strings (--stop)"),
     ("generate.py", ["--temperature", "inf"], "temperature must be finite"),
     ("generate.py", ["--repeat-penalty", "inf"], "repeat penalty must be finite"),
     ("generate.py", ["--prompt-cache", "{tmp}"], "is a directory"),

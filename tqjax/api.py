@@ -211,12 +211,27 @@ def kv_footprint(model: Model, cache: CacheSpec, context: int | None = None
     return out
 
 
+def check_options(stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
+                  n_keep: int = 0, context_shift: bool = False) -> list[str]:
+    """The stop strings as a list (a lone string is one), once the generation options are
+    checked: a TqjaxError for those that would stop at once (an empty stop string) or do
+    nothing (a system message without chat, n_keep without context_shift). Callable before a
+    model is loaded (the CLI does)."""
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise TqjaxError("stop strings must be non-empty strings (--stop)")
+    if system and not chat:
+        raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
+    if n_keep and not context_shift:
+        raise TqjaxError("n_keep (--keep) goes with context_shift (--context-shift)")
+    return stop
+
+
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
                   system: str | None = None) -> list[int]:
     """Token ids for a prompt (ids pass through); `chat` applies the chat template, with
     `system` as its system message (a TqjaxError without `chat`)."""
-    if system and not chat:
-        raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
+    check_options(chat=chat, system=system)
     if not isinstance(prompt, str):
         if chat:
             raise TqjaxError("the chat template needs a text prompt, not token ids")
@@ -270,11 +285,7 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
          ) -> tuple[list[GenerationResult], CacheState]:
     """Generate for tokenized prompts (streaming row 0 when `on_text`); `start` = (starting
     cache, cached token counts). Returns the results and the final cache state."""
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    if not all(isinstance(s, str) and s for s in stop):
-        raise TqjaxError("stop strings must be non-empty strings")
-    if n_keep and not context_shift:
-        raise TqjaxError("n_keep (--keep) goes with context_shift (--context-shift)")
+    stop = check_options(stop, n_keep=n_keep, context_shift=context_shift)
     streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
     stop_fn = (lambda b, ids: streams[b].final_text(ids)[1]) if stop else None
     kv, cached = start if start is not None else (None, None)

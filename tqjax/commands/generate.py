@@ -53,7 +53,7 @@ def run(argv: list[str] | None = None) -> int:
     """Generate; returns the exit status (user errors raise TqjaxError)."""
     args = parse_args(argv)
     import tqjax
-    from tqjax.api import kv_footprint
+    from tqjax.api import check_options, kv_footprint
     from tqjax.decode.sampling import SamplingParams
     from tqjax.pallas.backend import check_backend, use_backend
 
@@ -69,12 +69,7 @@ def run(argv: list[str] | None = None) -> int:
         check_writable(Path(args.prompt_cache), "--prompt-cache")
     if args.keep < -1:
         raise tqjax.TqjaxError(f"--keep must be >= -1, got {args.keep}")
-    if args.keep and not args.context_shift:
-        raise tqjax.TqjaxError("--keep goes with --context-shift")
-    if args.system is not None and not args.chat:
-        raise tqjax.TqjaxError("--system goes with --chat (the chat template)")
-    if not all(args.stop):
-        raise tqjax.TqjaxError("--stop needs a non-empty string")
+    check_options(args.stop, args.chat, args.system, args.keep, args.context_shift)
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        quantize_embeddings=args.quantize_embeddings,
                        progress=not args.json, mesh=mesh)
@@ -93,8 +88,7 @@ def run(argv: list[str] | None = None) -> int:
             on_text=None if args.json else stream, context_shift=args.context_shift,
             n_keep=args.keep, prompt_cache=args.prompt_cache,
             prompt_cache_ro=args.prompt_cache_ro)
-    # decode speed: the first two tokens are not timed (prefill; the step's compile)
-    timed = result.decode_tok_s if result.generated_tokens > 2 else None
+    timed = result.decode_tok_s  # (None: too few tokens were timed)
     if args.json:
         print_json({
             "text": result.text, "token_ids": result.token_ids,
