@@ -35,40 +35,36 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     """Yield a temp path next to `dest`; on clean exit it is fsynced and renamed onto `dest`,
     on an exception it is removed and `dest` is left untouched."""
     dest = Path(dest)
-    try:
+    with _about(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    except OSError as e:
-        named = _naming(e, dest)
-        if named is e:
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
             raise
-        raise named from None
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        named = _naming(e, dest)
-        if named is e:
-            raise
-        raise named from None
     fsync_dir(dest.parent)
 
 
-def _naming(e: BaseException, dest: Path) -> BaseException:
-    """An OSError about a temporary sibling of `dest` (".<name>.…") as the same error about
-    `dest`, which the user knows; any other error as it is (a missing or unwritable folder
-    keeps its own name)."""
-    name = getattr(e, "filename", None)
-    if not isinstance(e, OSError) or name is None or Path(name).parent != dest.parent or \
-            not Path(name).name.startswith(f".{dest.name}."):
-        return e
-    return OSError(e.errno, e.strerror, str(dest))
+@contextmanager
+def _about(dest: Path) -> Iterator[None]:
+    """An OSError about a temporary sibling of `dest` (".<name>.…") raised as the same error
+    about `dest`, which the user knows; any other error as it is (a missing or unwritable
+    folder keeps its own name)."""
+    try:
+        yield
+    except OSError as e:
+        name = Path(e.filename) if isinstance(e.filename, (str, os.PathLike)) else None
+        if name is None or name.parent != dest.parent or not name.name.startswith(
+                f".{dest.name}."):
+            raise
+        raise OSError(e.errno, e.strerror, str(dest)) from None
 
 
 def write_text(dest: str | Path, text: str) -> None:
@@ -139,15 +135,10 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     one is in place.
     """
     dest = Path(dest)
-    try:
+    with _about(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    except OSError as e:
-        named = _naming(e, dest)
-        if named is e:
-            raise
-        raise named from None
     old = dest.parent / f".{dest.name}.old"
     try:
         build(tmp)
