@@ -178,9 +178,10 @@ def _param(loc: tuple) -> str | None:
     """A pydantic error location as a field path, e.g. messages[0].role."""
     out = ""
     for x in loc:
-        if x == "body":
-            continue
-        out += f"[{x}]" if isinstance(x, int) else f".{x}" if out else str(x)
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif x != "body":
+            out += f".{x}" if out else str(x)
     return out or None
 
 
