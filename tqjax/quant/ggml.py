@@ -76,7 +76,7 @@ class GGMLLinear:
 
     @property
     def out_features(self) -> int:
-        return self.fields[0].shape[0]
+        return self.fields[0].shape[-3]  # (a `LayerStack`'s leading axis over layers before it)
 
     @property
     def block(self) -> int:  # values per block

@@ -84,11 +84,11 @@ class QuantizedLinear:
 
     @property
     def out_features(self) -> int:
-        return self.packed.shape[0]
+        return self.packed.shape[-2]  # (a `LayerStack`'s leading axis over layers before it)
 
     @property
     def padded_in(self) -> int:
-        return self.packed.shape[1] * 8 // self.bits
+        return self.packed.shape[-1] * 8 // self.bits
 
 
 def _per_block(fn: Any, x: jax.Array, rot: Rotation) -> jax.Array:
