@@ -7,6 +7,7 @@ weights stacked by format (`LayerStack`) against the same layers as a list."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import tqjax
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, Calibration, KVCache, group_size, make_cache
 from tqjax.models.transformer import forward
+from tqjax.quant.accounting import params_bits
 
 from .conftest import GOLDEN
 
@@ -183,21 +185,27 @@ def test_layer_stack_runs_as_the_layer_list(deep_quantized, name):
     """Stacked by format (tq4, int8, the dense layer on its own), the layers give the same
     logits and cache as the list, for a prefill and a decode step, on one cache group and on
     three; `stack[i]` is layer i."""
-    from tqjax.models.transformer import LayerStack, stack_layers
+    from tqjax.models.transformer import PARTS, LayerStack, stack_layers
 
     params, config = deep_quantized
     stack = stack_layers(list(params.layers))
-    assert isinstance(stack, LayerStack) and stack.kind == (0, 1, 1, 0, 1, 2)
-    assert stack.pos == (0, 0, 1, 1, 2, 0) and len(stack) == LAYERS
+    linears = len(PARTS) - 1
+    assert isinstance(stack, LayerStack) and PARTS[1] == "wq"
+    assert stack.kind == ((0,) * LAYERS, *[(0, 1, 1, 0, 1, 2)] * linears)  # norms: one format
+    assert stack.pos == (tuple(range(LAYERS)), *[(0, 0, 1, 1, 2, 0)] * linears)
+    assert len(stack) == LAYERS and all(stack.stacked[0][0])
     names = [jax.tree_util.keystr(p)
-             for p, _ in jax.tree_util.tree_leaves_with_path(stack.stacks[0])]
-    shared = {n for n, s in zip(names, stack.stacked[0], strict=True) if not s}
+             for p, _ in jax.tree_util.tree_leaves_with_path(stack.stacks[1][0])]
+    shared = {n for n, s in zip(names, stack.stacked[1][0], strict=True) if not s}
     assert ".wq.lut" in shared and ".wq.packed" not in shared  # one codebook, not one a layer
-    assert not any(stack.stacked[2])  # the dense layer: its own arrays, as they were
+    assert not any(stack.stacked[1][2])  # the dense layer's wq: its own array, as it was
     for lp, got in zip(params.layers, stack, strict=True):
         for a, b in zip(jax.tree.leaves(lp), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     stacked = params.replace(layers=stack)
+    counts = ("params", "quantized_params", "quantized_bytes")  # (the list's repeated layers
+    # share their norms, which the stack copies: its "bytes" are larger)
+    assert [params_bits(stacked)[k] for k in counts] == [params_bits(params)[k] for k in counts]
     step = jax.jit(lambda p, c, t, s: forward(p, config, t, s, c))
     tokens = jnp.asarray([[3, 17, 5, 9, 2], [8, 1, 4, 4, 11]], jnp.int32)
     runs = []
@@ -225,6 +233,33 @@ def test_stacked_weights_compile_once_per_format(deep_quantized):
                - hlo_instructions(six.replace(layers=stack_layers(six.layers)), config, spec))
     # measured: 0 against 3,663 instructions (a 6-layer program: 1,906 against 4,074)
     assert abs(stacked) < 0.02 * listed, (stacked, listed)
+
+
+def test_each_linear_compiles_once_per_format_it_takes(deep_quantized):
+    """Formats mixed per linear, as a mixed-precision model has them: q projections in tq4 and
+    int8 on layers 0-2 and 3-5, down projections alternating. The layers then have four
+    combinations of formats, the linears two formats each; the decode program is as large as
+    when both linears follow one pattern (two combinations), where one layer body per
+    combination adds two more bodies."""
+    from tqjax.models.transformer import stack_layers
+
+    params, config = deep_quantized
+    tq4, int8 = params.layers[0], params.layers[1]
+
+    def model(q: str, down: str):
+        return params.replace(layers=stack_layers([
+            tq4.replace(wq=(tq4 if q[i] == "t" else int8).wq,
+                        w_down=(tq4 if down[i] == "t" else int8).w_down)
+            for i in range(LAYERS)]))
+
+    spec = SPECS["f32"]
+    uniform = hlo_instructions(model("tttttt", "tttttt"), config, spec)
+    aligned = hlo_instructions(model("tttiii", "tttiii"), config, spec)
+    crossed = hlo_instructions(model("tttiii", "titiit"), config, spec)
+    # measured: uniform 1,021, aligned 1,128, crossed 1,142 (one layer body per combination:
+    # 1,021, 1,744, 3,080)
+    assert aligned > uniform and abs(crossed - aligned) < 0.3 * (aligned - uniform), (
+        uniform, aligned, crossed)
 
 
 def test_stack_layers_consumes_the_list(deep_quantized):
@@ -265,3 +300,20 @@ def test_layer_stack_shards_and_round_trips_through_orbax(deep_quantized, tmp_pa
               for p in (stacked, placed, restored)]
     for got in logits[1:]:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(logits[0]))
+    # a checkpoint saved before the layers were stacked part by part (one format per layer's
+    # combination of formats: flat `kind`) is refused in one line, not misread
+    meta = tmp_path / "orbax" / "orbax.json"
+    info = json.loads(meta.read_text())
+
+    def old_layout(node):
+        if isinstance(node, dict) and node.get("type") == "LayerStack":
+            node["static"] = {k: v[1] for k, v in node["static"].items()}  # the wq part's
+            return True
+        children = node.values() if isinstance(node, dict) else (
+            node if isinstance(node, list) else ())
+        return any(old_layout(c) for c in children)
+
+    assert old_layout(info)
+    meta.write_text(json.dumps(info))
+    with pytest.raises(TqjaxError, match="layers stacked in an older layout"):
+        restore_sharded(tmp_path / "orbax")

@@ -221,7 +221,8 @@ def param_shardings(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
     def layer(lp: LayerParams) -> LayerParams:
         out = jax.tree.map(lambda _: rep, lp)
         fields = {name: weight_shardings(getattr(lp, name), *axes, mesh, sizes)
-                  for name, axes in LINEAR_AXES.items() if name != "lm_head"}
+                  for name, axes in LINEAR_AXES.items()
+                  if name != "lm_head" and getattr(lp, name) is not None}  # (a stack's part)
         fields |= {name: _spec(mesh, mesh_axis(mesh, axis, sizes[axis]))
                    for name, axis in BIAS_AXES.items() if getattr(lp, name) is not None}
         return out.replace(**fields)
@@ -238,8 +239,8 @@ def param_shardings(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
 
     if isinstance(params.layers, LayerStack):
         layers = params.layers.replace(stacks=tuple(
-            stacked(st, mask) for st, mask in zip(params.layers.stacks, params.layers.stacked,
-                                                  strict=True)))
+            tuple(stacked(st, mask) for st, mask in zip(part, masks, strict=True))
+            for part, masks in zip(params.layers.stacks, params.layers.stacked, strict=True)))
     else:
         layers = [layer(lp) for lp in params.layers]
     embed = params.embed

@@ -4,13 +4,13 @@
         [--context 200]
         [--steps 16] [--prompt-tokens 0]
 
-`tqjax.load` stacks quantized layers by weight format (`transformer.stack_layers`), so
-`forward` compiles one layer body per format (a Q4_K_M file has two), where a list of layers
-compiles one per layer (each `lax.switch` branch reads its own weights). This runs the same
-params both ways, on the same cache: for each, the decode step's (or, with `--prompt-tokens N`,
-an N-token prefill chunk's) compile seconds, its optimized HLO instructions and fusions, the
-RSS its compiled program keeps (trimmed heap), the median time over `--steps` donated calls,
-and the largest logit difference. One JSON line per form on stdout.
+`tqjax.load` stacks quantized layers' parts by weight format (`transformer.stack_layers`),
+so `forward` compiles each linear once per format it takes (a Q4_K_M file has two), where a
+list of layers compiles each once per layer (each `lax.switch` branch reads its own weights).
+This runs the same params both ways, on the same cache: for each, the decode step's (or,
+with `--prompt-tokens N`, an N-token prefill chunk's) compile seconds, its optimized HLO
+instructions and fusions, the RSS its compiled program keeps (trimmed heap), the median time
+over `--steps` donated calls, and the largest logit difference. One JSON line per form on stdout.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def main() -> None:
     del listed
     row, got = measure("stacked", step, (stacked, tokens, start, out_index), caches[1],
                        a.steps, t)
-    print(json.dumps({"model": a.model, "weights": a.weights, "formats": len(stack.stacks),
-                      **row, "max_abs_logit_diff": float(np.max(np.abs(got - want)))}),
-          flush=True)
+    formats = {name: len(part) for name, part in zip(tr.PARTS, stack.stacks, strict=True)}
+    print(json.dumps({"model": a.model, "weights": a.weights, "formats": formats, **row,
+                      "max_abs_logit_diff": float(np.max(np.abs(got - want)))}), flush=True)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from tqjax.models.checkpoint import (
 )
 from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
-from tqjax.models.transformer import LayerParams, LayerStack, Params
+from tqjax.models.transformer import PARTS, LayerParams, LayerStack, Params
 from tqjax.quant.ggml import GGMLLinear
 from tqjax.quant.half import HalfLinear
 from tqjax.quant.rotation import Rotation
@@ -86,6 +86,11 @@ def _encode(node: Any) -> Any:
     raise TqjaxError(f"cannot save a {type(node).__name__} in an orbax checkpoint")
 
 
+def _tuples(raw: Any) -> Any:
+    """Nested JSON lists back to the nested tuples a pytree's static data is."""
+    return tuple(_tuples(x) for x in raw) if isinstance(raw, list) else raw
+
+
 def _decode(raw: Any) -> Any:
     """Inverse of `_encode` with `jax.ShapeDtypeStruct` leaves (an abstract Params)."""
     try:
@@ -104,9 +109,12 @@ def _decode(raw: Any) -> Any:
             if cls is GGMLLinear:
                 fields["fields"] = tuple(fields["fields"])
             if cls is LayerStack:  # (JSON lists back to the tuples a pytree's static data is)
-                fields["stacks"] = tuple(fields["stacks"])
-                static = {"kind": tuple(static["kind"]), "pos": tuple(static["pos"]),
-                          "stacked": tuple(tuple(m) for m in static["stacked"])}
+                if len(static["kind"]) != len(PARTS) or not isinstance(static["kind"][0], list):
+                    raise TqjaxError(f"{META_FILE}: layers stacked in an older layout than "
+                                     "this tqjax reads; save the checkpoint again")
+                fields["stacks"] = tuple(tuple(part) for part in fields["stacks"])
+                static = {"kind": _tuples(static["kind"]), "pos": _tuples(static["pos"]),
+                          "stacked": _tuples(static["stacked"])}
             return cls(**fields, **static)
         return jax.ShapeDtypeStruct(tuple(int(n) for n in raw["shape"]), np.dtype(raw["dtype"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -180,7 +188,8 @@ def _dense_as(abstract: Params, dtype: Any) -> Params:
 
     layers = abstract.layers
     if isinstance(layers, LayerStack):
-        layers = layers.replace(stacks=tuple(lp.replace(**fields(lp)) for lp in layers.stacks))
+        layers = layers.replace(stacks=tuple(tuple(lp.replace(**fields(lp)) for lp in part)
+                                             for part in layers.stacks))
     else:
         layers = [lp.replace(**fields(lp)) for lp in layers]
     return abstract.replace(embed=cast(abstract.embed), final_norm=cast(abstract.final_norm),

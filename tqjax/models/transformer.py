@@ -7,8 +7,9 @@ dense arrays or quantized weights from `tqjax.quant.weights`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,37 +46,61 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [hd]  (qwen3)
 
 
+PARTS = ("norms", *LINEARS)  # a `LayerStack`'s parts: a layer's other arrays, then each linear
+
+
+def _part(lp: LayerParams, p: int) -> LayerParams:
+    """Part p (`PARTS`) of a layer: its norms and biases (linears None), or one linear alone."""
+    names = [f.name for f in dataclasses.fields(lp)]
+    keep = [n for n in names if n not in LINEARS] if p == 0 else [PARTS[p]]
+    return LayerParams(**{n: getattr(lp, n) if n in keep else None for n in names})
+
+
+def _merge(parts: list[LayerParams]) -> LayerParams:
+    """Inverse of `_part`: a layer from its parts, in `PARTS` order."""
+    return parts[0].replace(**{name: getattr(parts[1 + k], name)
+                               for k, name in enumerate(LINEARS)})
+
+
 @struct.dataclass
 class LayerStack:
-    """Decoder layers stacked by weight format: the layers whose pytrees, shapes and dtypes
-    match share one `LayerParams` whose leaves have a leading axis over them, so `forward`
-    compiles one layer body per format, not per layer (a Q4_K_M file has two formats). A leaf
-    that all of a format's layers share (one array: a codebook, a rotation; every leaf of a
-    one-layer format) is kept once, without that axis. Reads like a list of layers: `len`,
-    iteration and `stack[i]` (layer i's arrays indexed out)."""
+    """Decoder layers stacked part by part (`PARTS`: the norms and biases, then each linear)
+    and, within a part, by weight format: the layers whose part has the same pytree, shapes
+    and dtypes share one `LayerParams` (that part's fields set, the others None) whose leaves
+    have a leading axis over them. `forward` compiles each linear once per format it takes,
+    not once per layer nor per layer's combination of formats: a mixed-precision model gives
+    its q projections three formats and its down projections seven, and 15 of 30 layers a
+    combination of their own (SmolLM2 at 4.25 bpw). A leaf that all of a format's layers
+    share (one array: a codebook, a rotation; every leaf of a one-layer format) is kept once,
+    without that axis; a dense linear is a one-layer format (XLA:CPU would copy its slice out
+    of a stack before its library dot). Reads like a list of layers: `len`, iteration and
+    `stack[i]` (layer i's arrays indexed out)."""
 
-    stacks: tuple[LayerParams, ...]  # per format: stacked leaves [layers of that format, ...]
-    kind: tuple[int, ...] = struct.field(pytree_node=False)  # layer i's format
-    pos: tuple[int, ...] = struct.field(pytree_node=False)  # layer i's index in its stack
-    stacked: tuple[tuple[bool, ...], ...] = struct.field(pytree_node=False)  # per format, per
-    # leaf (flattening order): whether it has the layer axis
+    stacks: tuple[tuple[LayerParams, ...], ...]  # per part, per format: stacked leaves
+    kind: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)  # per part: layer i's
+    # format
+    pos: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)  # per part: layer i's
+    # index in its format's stack
+    stacked: tuple[tuple[tuple[bool, ...], ...], ...] = struct.field(pytree_node=False)  # per
+    # part, per format, per leaf (flattening order): whether it has the layer axis
 
     def __len__(self) -> int:
-        return len(self.kind)
+        return len(self.kind[0])
 
     def __getitem__(self, i: int) -> LayerParams:
-        return self.layer(self.kind[i], self.pos[i])
+        return _merge([self.part(p, self.kind[p][i], self.pos[p][i])
+                       for p in range(len(PARTS))])
 
     def __iter__(self) -> Iterator[LayerParams]:
         return (self[i] for i in range(len(self)))
 
-    def layer(self, f: int, j: jax.Array | int) -> LayerParams:
-        """Layer j (traced or not) of format f: its stacked leaves indexed at j (a slice that
-        XLA reads in place inside a fused dot), its shared ones as they are."""
-        leaves, tree = jax.tree_util.tree_flatten(self.stacks[f])
+    def part(self, p: int, f: int, j: jax.Array | int) -> LayerParams:
+        """Part p's layer j (traced or not) of format f: its stacked leaves indexed at j (a
+        slice that XLA reads in place inside a fused dot), its shared ones as they are."""
+        leaves, tree = jax.tree_util.tree_flatten(self.stacks[p][f])
         return jax.tree_util.tree_unflatten(tree, [
             jax.lax.dynamic_index_in_dim(a, j, keepdims=False) if s else a
-            for a, s in zip(leaves, self.stacked[f], strict=True)])
+            for a, s in zip(leaves, self.stacked[p][f], strict=True)])
 
 
 @struct.dataclass
@@ -100,7 +125,7 @@ def qkv(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array, sin:
     [B, T, KV, hd]."""
     b, t, _ = x.shape
     hd = config.head_dim
-    q, k, v = qw.linear(x, lp.wq), qw.linear(x, lp.wk), qw.linear(x, lp.wv)
+    q, k, v = _linear(x, lp.wq), _linear(x, lp.wk), _linear(x, lp.wv)
     if config.qkv_bias:
         q, k, v = q + lp.bq.astype(q.dtype), k + lp.bk.astype(k.dtype), v + lp.bv.astype(v.dtype)
     q = q.reshape(b, t, config.num_heads, hd)
@@ -126,8 +151,8 @@ def attention_heads(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax
 def layer_output(lp: LayerParams, config: ModelConfig, x: jax.Array, heads: jax.Array
                  ) -> jax.Array:
     """The residual stream x [B, T, D] after the layer's o_proj (of heads [B, T, H*hd]) and MLP."""
-    x = x + qw.linear(heads, lp.wo)
-    return x + qw.linear(gated_activation(lp, rms_norm(x, lp.mlp_norm, config.rms_eps)), lp.w_down)
+    x = x + _linear(heads, lp.wo)
+    return x + _linear(gated_activation(lp, rms_norm(x, lp.mlp_norm, config.rms_eps)), lp.w_down)
 
 
 def _normed_qkv(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Array,
@@ -137,7 +162,7 @@ def _normed_qkv(lp: LayerParams, config: ModelConfig, x: jax.Array, cos: jax.Arr
 
 def gated_activation(lp: LayerParams, x: jax.Array) -> jax.Array:
     """x [B, T, D] (already normed) -> silu(x·W_gate) ∘ (x·W_up) [B, T, F] (the down_proj input)."""
-    return jax.nn.silu(qw.linear(x, lp.w_gate)) * qw.linear(x, lp.w_up)
+    return jax.nn.silu(_linear(x, lp.w_gate)) * _linear(x, lp.w_up)
 
 
 def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
@@ -150,56 +175,73 @@ def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
     return embed[tokens]
 
 
+FUSED = (qw.QuantizedLinear, ggml.GGMLLinear, half.HalfLinear)  # linears run as fused dots
+
+
 def fused_layer(lp: LayerParams) -> bool:
     """Whether all of a layer's linears run as fused dots (quantized, or `half.HalfLinear`),
     which read a stacked weight in place."""
-    return all(isinstance(getattr(lp, f), (qw.QuantizedLinear, ggml.GGMLLinear, half.HalfLinear))
-               for f in LINEARS)
+    return all(isinstance(getattr(lp, f), FUSED) for f in LINEARS)
+
+
+def _signature(part: LayerParams, p: int, i: int) -> Any:
+    """What layers must share for part p (`PARTS`) to stack: its pytree, shapes and dtypes;
+    layer i's dense linear only matches itself (`LayerStack`)."""
+    if p and not isinstance(getattr(part, PARTS[p]), FUSED):
+        return i
+    leaves, tree = jax.tree_util.tree_flatten(part)
+    return tree, tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
 def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack:
-    """Layers grouped into a `LayerStack`: those whose linears are all quantized (fused dots,
-    which read a stacked weight in place) by format; a layer with a dense linear stays a format
+    """Layers as a `LayerStack`: each part (`PARTS`) grouped by format, a dense linear a format
     of its own, since XLA:CPU copies a dense weight's slice out of a stack before its library
     dot (SmolLM2 f32 decode: 49 -> 84 ms a step). Each stacked leaf is filled in one host
     buffer that the device adopts; a leaf all of a format's layers share is kept as it is.
     `consume`: `layers` is emptied and each source array dropped as soon as it is copied, so
     stacking holds one layer's array beyond the params."""
-    fused = [fused_layer(lp) for lp in layers]
-    flat = [jax.tree_util.tree_flatten(lp) for lp in layers]  # (leaves, pytree) per layer
-    if consume:  # `flat` then holds the only references to the sources
+    n = len(layers)
+    parts = [[_part(lp, p) for p in range(len(PARTS))] for lp in layers]
+    if consume:  # `parts`, then `flat`, hold the only references to the sources
         layers.clear()
-    sigs = [(tree, tuple((x.shape, str(x.dtype)) for x in leaves)) if fz else i
-            for i, ((leaves, tree), fz) in enumerate(zip(flat, fused, strict=True))]
-    signatures: list[Any] = []  # (equality, not hashing: static pytree data need not hash)
-    for sig in sigs:
-        if sig not in signatures:
-            signatures.append(sig)
-    kind = [signatures.index(sig) for sig in sigs]
-    pos = [kind[:i].count(k) for i, k in enumerate(kind)]
-    stacks, stacked = [], []
-    for f in range(len(signatures)):
-        members = [i for i, k in enumerate(kind) if k == f]
-        out, mask = [], []
-        for j in range(len(flat[members[0]][0])):
-            first = flat[members[0]][0][j]
-            mask.append(any(flat[i][0][j] is not first for i in members))
-            if not mask[-1]:
-                out.append(first)
-                continue
-            buf = host_buffer((len(members), *first.shape), first.dtype)
-            del first
-            for r, i in enumerate(members):
-                buf[r] = np.asarray(flat[i][0][j])
+    stacks, kinds, places, masks = [], [], [], []
+    for p in range(len(PARTS)):
+        flat = [jax.tree_util.tree_flatten(parts[i][p]) for i in range(n)]  # (leaves, pytree)
+        sigs = [_signature(parts[i][p], p, i) for i in range(n)]
+        for i in range(n):
+            parts[i][p] = None
+        signatures: list[Any] = []  # (equality, not hashing: static pytree data need not hash)
+        for sig in sigs:
+            if sig not in signatures:
+                signatures.append(sig)
+        kind = [signatures.index(sig) for sig in sigs]
+        formats, stacked = [], []
+        for f in range(len(signatures)):
+            members = [i for i, k in enumerate(kind) if k == f]
+            out, mask = [], []
+            for j in range(len(flat[members[0]][0])):
+                first = flat[members[0]][0][j]
+                mask.append(any(flat[i][0][j] is not first for i in members))
+                if not mask[-1]:
+                    out.append(first)
+                    continue
+                buf = host_buffer((len(members), *first.shape), first.dtype)
+                del first
+                for r, i in enumerate(members):
+                    buf[r] = np.asarray(flat[i][0][j])
+                    if consume:
+                        flat[i][0][j] = None
+                        release_adopted()
+                out.append(jax.device_put(buf))
                 if consume:
-                    flat[i][0][j] = None
-                    release_adopted()
-            out.append(jax.device_put(buf))
-            if consume:
-                trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
-        stacks.append(jax.tree_util.tree_unflatten(flat[members[0]][1], out))
-        stacked.append(tuple(mask))
-    return LayerStack(tuple(stacks), tuple(kind), tuple(pos), tuple(stacked))
+                    trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
+            formats.append(jax.tree_util.tree_unflatten(flat[members[0]][1], out))
+            stacked.append(tuple(mask))
+        stacks.append(tuple(formats))
+        kinds.append(tuple(kind))
+        places.append(tuple(kind[:i].count(k) for i, k in enumerate(kind)))
+        masks.append(tuple(stacked))
+    return LayerStack(tuple(stacks), tuple(kinds), tuple(places), tuple(masks))
 
 
 def as_stack(layers: list[LayerParams] | LayerStack) -> LayerStack:
@@ -208,8 +250,29 @@ def as_stack(layers: list[LayerParams] | LayerStack) -> LayerStack:
     if isinstance(layers, LayerStack):
         return layers
     n = len(layers)
-    return LayerStack(tuple(layers), tuple(range(n)), (0,) * n, tuple(
-        (False,) * len(jax.tree_util.tree_leaves(lp)) for lp in layers))
+    parts = [tuple(_part(lp, p) for lp in layers) for p in range(len(PARTS))]
+    return LayerStack(tuple(parts), (tuple(range(n)),) * len(PARTS), ((0,) * n,) * len(PARTS),
+                      tuple(tuple((False,) * len(jax.tree_util.tree_leaves(lp)) for lp in part)
+                            for part in parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Picked:
+    """A linear chosen at run time among formats, inside `forward`'s layer body: `which`
+    (int32 scalar) indexes `formats`, each giving the layer's weight in that format."""
+
+    which: jax.Array
+    formats: tuple[Callable[[], Weight], ...]
+
+
+def _linear(x: jax.Array, w: Weight | _Picked) -> jax.Array:
+    """`qw.linear`, or for a `_Picked` weight a `lax.switch` over its formats' fused dots."""
+    if not isinstance(w, _Picked):
+        return qw.linear(x, w)
+    if len(w.formats) == 1:
+        return qw.linear(x, w.formats[0]())
+    return jax.lax.switch(w.which, [lambda x, get=get: qw.linear(x, get()) for get in w.formats],
+                          x)
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
@@ -224,9 +287,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     recent-token rings, so each row's ring ends at its last real token, not in its padding.
 
     Each group of alike cache layers (`kvc.KVCache`) runs as one compiled layer body in a
-    `fori_loop`: each layer's projections are picked by `lax.switch` over the layers' weight
-    formats (`LayerStack`; a list of layers: one branch per layer), each branch reading its
-    stack at the layer's index in place, around one attention, which reads and writes its
+    `fori_loop`: each of a layer's linears is picked by a `lax.switch` over the formats that
+    linear takes (`LayerStack`; a list of layers: one branch per layer), each branch reading
+    its stack at the layer's index in place, around one attention, which reads and writes its
     layer of the stacked cache in place. Why: XLA:CPU keeps a compiled program resident at
     ~4-5 KB per HLO instruction, and unrolled over 30 layers a turbo cache's attention held
     more memory in programs than the compression saved (docs/research.md, stop 37); compiled
@@ -245,19 +308,27 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     def run(i: jax.Array | int, x: jax.Array, group: kvc.LayerCache, first: int
             ) -> tuple[jax.Array, kvc.LayerCache]:
         """Layer first + i, its cache layer i of the stacked group, read and written in place;
-        its projections by a `lax.switch` over the formats of the group's layers."""
-        kinds = sorted({layers.kind[first + j] for j in range(kvc.group_size(group))})
-        pick = jnp.asarray(layers.pos)[first + i]
-        which = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in layers.kind]
-                            )[first + i]
-        qkvs = [functools.partial(lambda f, x: _normed_qkv(
-            layers.layer(f, pick), config, x, cos, sin), f) for f in kinds]
-        outputs = [functools.partial(lambda f, x, h: layer_output(
-            layers.layer(f, pick), config, x, h), f) for f in kinds]
+        each part of its weights picked among the formats that part takes in the group's
+        layers: the norms by a `lax.switch` returning them, each linear by a `lax.switch`
+        around its fused dot (`_Picked`)."""
+        n = kvc.group_size(group)
+        linears = {}
+        for p in range(len(PARTS)):
+            kinds = sorted({layers.kind[p][first + j] for j in range(n)})
+            pick = jnp.asarray(layers.pos[p])[first + i]
+            which = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in layers.kind[p]]
+                                )[first + i]
+            get = tuple(functools.partial(layers.part, p, f, pick) for f in kinds)
+            if p:
+                linears[PARTS[p]] = _Picked(which, tuple(
+                    lambda get=g, name=PARTS[p]: getattr(get(), name) for g in get))
+            else:  # every format's norms and biases have the same shapes
+                norms = get[0]() if len(get) == 1 else jax.lax.switch(which, get)
+        lp = norms.replace(**linears)
         view = kvc.layer_view(group, i)
-        out, after = kvc.attend(view, *jax.lax.switch(which, qkvs, x), start, valid=valid)
+        out, after = kvc.attend(view, *_normed_qkv(lp, config, x, cos, sin), start, valid=valid)
         group = kvc.layer_update(group, after, i, view)
-        return jax.lax.switch(which, outputs, x, out.reshape(*x.shape[:2], -1)), group
+        return layer_output(lp, config, x, out.reshape(*x.shape[:2], -1)), group
 
     groups, first = [], 0
     for group in cache.groups:
