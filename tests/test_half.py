@@ -72,7 +72,7 @@ def test_half_model_runs_its_linears_output_major(name, dtype):
     half-precision dots) to the activations' rounding."""
     m = tqjax.load(GOLDEN / "tiny" / name, dtype=dtype)
     p = m.params
-    assert isinstance(p.layers, LayerStack)  # one compiled layer body (uint16 stacks)
+    assert isinstance(p.layers, LayerStack)  # each linear compiled once (uint16 stacks)
     assert all(isinstance(getattr(lp, f), half.HalfLinear) for lp in p.layers for f in LINEARS)
     assert (p.lm_head is None) == m.config.tie_embeddings
     assert p.lm_head is None or isinstance(p.lm_head, half.HalfLinear)

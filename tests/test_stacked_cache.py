@@ -246,11 +246,13 @@ def test_each_linear_compiles_once_per_format_it_takes(deep_quantized):
     params, config = deep_quantized
     tq4, int8 = params.layers[0], params.layers[1]
 
+    def layers(q: str, down: str) -> list:
+        return [tq4.replace(wq=(tq4 if q[i] == "t" else int8).wq,
+                            w_down=(tq4 if down[i] == "t" else int8).w_down)
+                for i in range(LAYERS)]
+
     def model(q: str, down: str):
-        return params.replace(layers=stack_layers([
-            tq4.replace(wq=(tq4 if q[i] == "t" else int8).wq,
-                        w_down=(tq4 if down[i] == "t" else int8).w_down)
-            for i in range(LAYERS)]))
+        return params.replace(layers=stack_layers(layers(q, down)))
 
     spec = SPECS["f32"]
     uniform = hlo_instructions(model("tttttt", "tttttt"), config, spec)
@@ -260,6 +262,15 @@ def test_each_linear_compiles_once_per_format_it_takes(deep_quantized):
     # 1,021, 1,744, 3,080)
     assert aligned > uniform and abs(crossed - aligned) < 0.3 * (aligned - uniform), (
         uniform, aligned, crossed)
+    # and each linear is read in its own format at its own place in its stack
+    step = jax.jit(lambda p, c, t, s: forward(p, config, t, s, c))
+    tokens = jnp.asarray([[3, 17, 5, 9, 2], [8, 1, 4, 4, 11]], jnp.int32)
+    runs = []
+    for p in (params.replace(layers=layers("tttiii", "titiit")), model("tttiii", "titiit")):
+        logits, cache = step(p, new(p, config, spec), tokens, jnp.zeros(2, jnp.int32))
+        runs.append((logits, *step(p, cache, tokens[:, :1], jnp.full(2, 5, jnp.int32))))
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_stack_layers_consumes_the_list(deep_quantized):
@@ -281,7 +292,7 @@ def test_layer_stack_shards_and_round_trips_through_orbax(deep_quantized, tmp_pa
     runs stacked tq4/int8 models on TP meshes) and saved and restored as an orbax checkpoint
     is the same stack, giving the same logits."""
     from tqjax.models.orbax_checkpoint import restore_sharded, save_sharded
-    from tqjax.models.transformer import LayerStack, stack_layers
+    from tqjax.models.transformer import PARTS, LayerStack, stack_layers
     from tqjax.sharding import make_mesh, shard_params
 
     params, config = deep_quantized
@@ -305,15 +316,19 @@ def test_layer_stack_shards_and_round_trips_through_orbax(deep_quantized, tmp_pa
     meta = tmp_path / "orbax" / "orbax.json"
     info = json.loads(meta.read_text())
 
-    def old_layout(node):
+    def stack_node(node):
         if isinstance(node, dict) and node.get("type") == "LayerStack":
-            node["static"] = {k: v[1] for k, v in node["static"].items()}  # the wq part's
-            return True
+            return node
         children = node.values() if isinstance(node, dict) else (
             node if isinstance(node, list) else ())
-        return any(old_layout(c) for c in children)
+        return next(filter(None, map(stack_node, children)), None)
 
-    assert old_layout(info)
+    static = stack_node(info)["static"]
+    static.update({k: v[1] for k, v in static.items()})  # the wq part's, as the old layout
+    meta.write_text(json.dumps(info))
+    with pytest.raises(TqjaxError, match="layers stacked in an older layout"):
+        restore_sharded(tmp_path / "orbax")
+    static["kind"] = [0] * len(PARTS)  # (an old model of as many layers as PARTS has parts)
     meta.write_text(json.dumps(info))
     with pytest.raises(TqjaxError, match="layers stacked in an older layout"):
         restore_sharded(tmp_path / "orbax")

@@ -40,7 +40,7 @@ from tqjax.models.config import ModelConfig
 from tqjax.models.loading import GGUF_WEIGHTS, Checkpoint, load_checkpoint, open_checkpoint
 from tqjax.models.quantize import WeightSpec, quantize_params
 from tqjax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
-from tqjax.models.transformer import Params, fused_layer, stack_layers
+from tqjax.models.transformer import FUSED, LINEARS, Params, stack_layers
 
 
 @dataclasses.dataclass
@@ -131,8 +131,8 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     the file's own blocks (`tqjax.quant.ggml`), no re-quantization. `mesh`
     (`tqjax.sharding.make_mesh(tp=..., dp=...)`) shards the weights over its devices (and the
     caches made for them); an orbax checkpoint is read straight onto it. Quantized and
-    bf16/f16 layers (`quant.half.HalfLinear`) are stacked by weight format
-    (`transformer.LayerStack`): one compiled layer body per format."""
+    bf16/f16 linears (`quant.half.HalfLinear`) are stacked by linear and weight format
+    (`transformer.LayerStack`): each linear compiled once per format it takes."""
     from tqjax.models.orbax_checkpoint import is_orbax_checkpoint, restore_sharded
     from tqjax.sharding import shard_params
 
@@ -167,8 +167,9 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
                                               min(length, config.max_position))
             spec = WeightSpec(weights, bpw=bpw, quantize_embeddings=quantize_embeddings)
             params = quantize_params(source, config, spec, windows, progress=progress)
-    if not orbax and any(fused_layer(lp) for lp in params.layers):  # quantized: one compiled
-        params = params.replace(layers=stack_layers(params.layers, consume=True))  # per format
+    if not orbax and any(isinstance(getattr(lp, f), FUSED)  # quantized: each linear
+                         for lp in params.layers for f in LINEARS):  # compiled once per format
+        params = params.replace(layers=stack_layers(params.layers, consume=True))
         drop_programs()  # the conversions' and the stacking's programs do not run again
     if mesh is not None and not orbax:
         params = shard_params(params, config, mesh)

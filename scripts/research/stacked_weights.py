@@ -5,8 +5,9 @@
         [--steps 16] [--prompt-tokens 0]
 
 `tqjax.load` stacks quantized layers' parts by weight format (`transformer.stack_layers`),
-so `forward` compiles each linear once per format it takes (a Q4_K_M file has two), where a
-list of layers compiles each once per layer (each `lax.switch` branch reads its own weights).
+so `forward` compiles each linear once per format it takes (in a Q4_K_M file, v and down
+take two), where a list of layers compiles each once per layer (each `lax.switch` branch
+reads its own weights).
 This runs the same params both ways, on the same cache: for each, the decode step's (or,
 with `--prompt-tokens N`, an N-token prefill chunk's) compile seconds, its optimized HLO
 instructions and fusions, the RSS its compiled program keeps (trimmed heap), the median time

@@ -175,13 +175,8 @@ def embed_tokens(embed: Weight, tokens: jax.Array) -> jax.Array:
     return embed[tokens]
 
 
-FUSED = (qw.QuantizedLinear, ggml.GGMLLinear, half.HalfLinear)  # linears run as fused dots
-
-
-def fused_layer(lp: LayerParams) -> bool:
-    """Whether all of a layer's linears run as fused dots (quantized, or `half.HalfLinear`),
-    which read a stacked weight in place."""
-    return all(isinstance(getattr(lp, f), FUSED) for f in LINEARS)
+FUSED = (qw.QuantizedLinear, ggml.GGMLLinear, half.HalfLinear)  # linears run as fused dots,
+# which read a stacked weight in place
 
 
 def _signature(part: LayerParams, p: int, i: int) -> Any:
@@ -237,6 +232,8 @@ def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack
                     trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
             formats.append(jax.tree_util.tree_unflatten(flat[members[0]][1], out))
             stacked.append(tuple(mask))
+        if p == 0 and len(formats) > 1:  # `forward` reads every layer's norms alike
+            raise ValueError("decoder layers whose norms or biases differ in shape or dtype")
         stacks.append(tuple(formats))
         kinds.append(tuple(kind))
         places.append(tuple(kind[:i].count(k) for i, k in enumerate(kind)))
@@ -312,19 +309,19 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
         layers: the norms by a `lax.switch` returning them, each linear by a `lax.switch`
         around its fused dot (`_Picked`)."""
         n = kvc.group_size(group)
-        linears = {}
+        formats = []  # per part: (its index among the formats the group's layers take, getters)
         for p in range(len(PARTS)):
             kinds = sorted({layers.kind[p][first + j] for j in range(n)})
             pick = jnp.asarray(layers.pos[p])[first + i]
             which = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in layers.kind[p]]
                                 )[first + i]
-            get = tuple(functools.partial(layers.part, p, f, pick) for f in kinds)
-            if p:
-                linears[PARTS[p]] = _Picked(which, tuple(
-                    lambda get=g, name=PARTS[p]: getattr(get(), name) for g in get))
-            else:  # every format's norms and biases have the same shapes
-                norms = get[0]() if len(get) == 1 else jax.lax.switch(which, get)
-        lp = norms.replace(**linears)
+            formats.append((which, tuple(functools.partial(layers.part, p, f, pick)
+                                         for f in kinds)))
+        which, get = formats[0]  # the norms: one stacked format, or a list's one per layer
+        norms = get[0]() if len(get) == 1 else jax.lax.switch(which, get)
+        lp = norms.replace(**{name: _Picked(which, tuple(
+            lambda get=g, name=name: getattr(get(), name) for g in get))
+            for name, (which, get) in zip(PARTS[1:], formats[1:], strict=True)})
         view = kvc.layer_view(group, i)
         out, after = kvc.attend(view, *_normed_qkv(lp, config, x, cos, sin), start, valid=valid)
         group = kvc.layer_update(group, after, i, view)
