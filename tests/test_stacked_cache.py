@@ -273,6 +273,38 @@ def test_each_linear_compiles_once_per_format_it_takes(deep_quantized):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_calibration_compiles_one_layer_program_for_a_stack(deep_quantized, monkeypatch):
+    """The turbo caches' calibration (`decode.calibrate`) over the crossed formats of the test
+    above: the same statistics as over the list of layers, from one compiled program for
+    the stack, where the list compiles one per combination of formats (4; so did a stack)."""
+    from tqjax.decode import calibrate as cal
+    from tqjax.models.transformer import stack_layers
+
+    params, config = deep_quantized
+    tq4, int8 = params.layers[0], params.layers[1]
+    listed = params.replace(layers=[
+        tq4.replace(wq=(tq4 if q == "t" else int8).wq, w_down=(tq4 if d == "t" else int8).w_down)
+        for q, d in zip("tttiii", "titiit", strict=True)])
+    stacked = listed.replace(layers=stack_layers(list(listed.layers)))
+    real, programs = cal._layer_statistics, []
+
+    class Counted:  # the jitted function, its programs counted before calibrate drops them
+        def __call__(self, *args):
+            return real(*args)
+
+        def clear_cache(self):
+            programs.append(real._cache_size())
+            real.clear_cache()
+
+    monkeypatch.setattr(cal, "_layer_statistics", Counted())
+    ids = list(range(3, 40))
+    want, got = (cal.calibrate(p, config, ids) for p in (listed, stacked))
+    assert programs == [4, 1]
+    for f in dataclasses.fields(want):
+        np.testing.assert_allclose(np.asarray(getattr(got, f.name)),
+                                   np.asarray(getattr(want, f.name)), rtol=1e-6, atol=1e-6)
+
+
 def test_stack_layers_consumes_the_list(deep_quantized):
     """consume=True empties the caller's list (each source array dropped once copied)."""
     from tqjax.models.transformer import stack_layers

@@ -18,11 +18,13 @@ from tqjax.kv.cache import CacheSpec, Calibration, make_cache
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import (
-    LayerParams,
+    LayerStack,
     Params,
+    as_stack,
     attention_heads,
     embed_tokens,
     layer_output,
+    pick_layer,
     rms_norm,
 )
 
@@ -36,11 +38,14 @@ def _pair_energy(x: jax.Array) -> jax.Array:
     return e[..., :half] + e[..., half:]
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _layer_statistics(lp: LayerParams, config: ModelConfig, x: jax.Array, inv_freq: jax.Array
-                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One layer over the calibration tokens: x [1, T, D] -> (its output [1, T, D], the key
-    (pre-RoPE) and value means and the key channel scales, f32 [KV, hd])."""
+@functools.partial(jax.jit, static_argnums=(2,))
+def _layer_statistics(layers: LayerStack, i: jax.Array, config: ModelConfig, x: jax.Array,
+                      inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Layer i (int32 scalar) over the calibration tokens: x [1, T, D] -> (its output
+    [1, T, D], the key (pre-RoPE) and value means and the key channel scales, f32 [KV, hd]).
+    One program for every layer of a stack, each linear compiled once per format it takes
+    (`pick_layer`)."""
+    lp = pick_layer(layers, i, range(len(layers)))
     t, kvh, hd = x.shape[1], config.num_kv_heads, config.head_dim
     cos, sin = rope_cos_sin(jnp.arange(t)[None], inv_freq)  # [1, T, hd/2]
     cache = make_cache(CacheSpec(), batch=1, slots=t, num_layers=1, kv_heads=kvh,
@@ -65,9 +70,12 @@ def _layer_statistics(lp: LayerParams, config: ModelConfig, x: jax.Array, inv_fr
 def calibrate(params: Params, config: ModelConfig, ids: list[int]) -> Calibration:
     """Key (pre-RoPE) and value means and key channel scales, f32 [L, KV, hd]."""
     x = embed_tokens(params.embed, jnp.asarray([ids], jnp.int32)).astype(params.final_norm.dtype)
-    stats = []
-    for lp in params.layers:  # one compiled layer, run layer by layer (no logits, no cache)
-        x, *layer = _layer_statistics(lp, config, x, params.rope_inv_freq)
+    stats, layers = [], params.layers
+    for i in range(len(layers)):  # one compiled layer, run layer by layer (no logits, no cache)
+        # a stack's layer by its index; a list's layers alike, each as a stack of one
+        one = ((layers, i) if isinstance(layers, LayerStack) else (as_stack([layers[i]]), 0))
+        x, *layer = _layer_statistics(one[0], jnp.int32(one[1]), config, x,
+                                      params.rope_inv_freq)
         stats.append([np.asarray(a) for a in layer])
     # a one-off program: dropped once it has run, since a compiled XLA:CPU program stays
     # resident (~4-5 KB per HLO instruction) for as long as it is cached

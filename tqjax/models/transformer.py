@@ -272,6 +272,26 @@ def _linear(x: jax.Array, w: Weight | _Picked) -> jax.Array:
                           x)
 
 
+def pick_layer(layers: LayerStack, i: jax.Array | int, among: range) -> LayerParams:
+    """Layer i (traced or not) of `layers` for the layer functions (`qkv`, `layer_output`),
+    each part picked among the formats it takes in the layers `among` (i one of them): the
+    norms by a `lax.switch` returning them (one format in a stack; one per layer in a list's
+    `as_stack`), each linear by a `lax.switch` around its fused dot (`_Picked`), none where
+    a part takes one format. So a program compiles each linear once per format it takes."""
+    formats = []  # per part: (its index among the formats of `among`, the formats' getters)
+    for p in range(len(PARTS)):
+        kinds = sorted({layers.kind[p][j] for j in among})
+        pick = jnp.asarray(layers.pos[p])[i]
+        which = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in layers.kind[p]])[i]
+        formats.append((which, tuple(functools.partial(layers.part, p, f, pick)
+                                     for f in kinds)))
+    which, get = formats[0]
+    norms = get[0]() if len(get) == 1 else jax.lax.switch(which, get)
+    return norms.replace(**{name: _Picked(which, tuple(
+        lambda get=g, name=name: getattr(get(), name) for g in get))
+        for name, (which, get) in zip(PARTS[1:], formats[1:], strict=True)})
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
             cache: kvc.KVCache, out_index: jax.Array | None = None,
             valid: jax.Array | None = None) -> tuple[jax.Array, kvc.KVCache]:
@@ -305,23 +325,8 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     def run(i: jax.Array | int, x: jax.Array, group: kvc.LayerCache, first: int
             ) -> tuple[jax.Array, kvc.LayerCache]:
         """Layer first + i, its cache layer i of the stacked group, read and written in place;
-        each part of its weights picked among the formats that part takes in the group's
-        layers: the norms by a `lax.switch` returning them, each linear by a `lax.switch`
-        around its fused dot (`_Picked`)."""
-        n = kvc.group_size(group)
-        formats = []  # per part: (its index among the formats the group's layers take, getters)
-        for p in range(len(PARTS)):
-            kinds = sorted({layers.kind[p][first + j] for j in range(n)})
-            pick = jnp.asarray(layers.pos[p])[first + i]
-            which = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in layers.kind[p]]
-                                )[first + i]
-            formats.append((which, tuple(functools.partial(layers.part, p, f, pick)
-                                         for f in kinds)))
-        which, get = formats[0]  # the norms: one stacked format, or a list's one per layer
-        norms = get[0]() if len(get) == 1 else jax.lax.switch(which, get)
-        lp = norms.replace(**{name: _Picked(which, tuple(
-            lambda get=g, name=name: getattr(get(), name) for g in get))
-            for name, (which, get) in zip(PARTS[1:], formats[1:], strict=True)})
+        its weights picked among the formats the group's layers take (`pick_layer`)."""
+        lp = pick_layer(layers, first + i, range(first, first + kvc.group_size(group)))
         view = kvc.layer_view(group, i)
         out, after = kvc.attend(view, *_normed_qkv(lp, config, x, cos, sin), start, valid=valid)
         group = kvc.layer_update(group, after, i, view)
