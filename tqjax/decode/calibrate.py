@@ -73,9 +73,8 @@ def calibrate(params: Params, config: ModelConfig, ids: list[int]) -> Calibratio
     stats, layers = [], params.layers
     for i in range(len(layers)):  # one compiled layer, run layer by layer (no logits, no cache)
         # a stack's layer by its index; a list's layers alike, each as a stack of one
-        one = ((layers, i) if isinstance(layers, LayerStack) else (as_stack([layers[i]]), 0))
-        x, *layer = _layer_statistics(one[0], jnp.int32(one[1]), config, x,
-                                      params.rope_inv_freq)
+        stack, j = (layers, i) if isinstance(layers, LayerStack) else (as_stack([layers[i]]), 0)
+        x, *layer = _layer_statistics(stack, jnp.int32(j), config, x, params.rope_inv_freq)
         stats.append([np.asarray(a) for a in layer])
     # a one-off program: dropped once it has run, since a compiled XLA:CPU program stays
     # resident (~4-5 KB per HLO instruction) for as long as it is cached

@@ -188,13 +188,37 @@ def _signature(part: LayerParams, p: int, i: int) -> Any:
     return tree, tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
+def _stack_format(flat: list[Any], members: list[int], consume: bool) -> tuple[Any, tuple]:
+    """One format's stack: the members' (leaves, pytree) from `flat` -> (a pytree whose leaves
+    have a leading axis over the members, or are the one array they share; per leaf, whether
+    it has that axis). Each stacked leaf is filled in one host buffer the device adopts;
+    `consume` drops each source leaf from `flat` once copied."""
+    out, mask = [], []
+    for j in range(len(flat[members[0]][0])):
+        first = flat[members[0]][0][j]
+        mask.append(any(flat[i][0][j] is not first for i in members))
+        if not mask[-1]:
+            out.append(first)
+            continue
+        buf = host_buffer((len(members), *first.shape), first.dtype)
+        del first
+        for r, i in enumerate(members):
+            buf[r] = np.asarray(flat[i][0][j])
+            if consume:
+                flat[i][0][j] = None
+                release_adopted()
+        out.append(jax.device_put(buf))
+        if consume:
+            trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
+    return jax.tree_util.tree_unflatten(flat[members[0]][1], out), tuple(mask)
+
+
 def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack:
     """Layers as a `LayerStack`: each part (`PARTS`) grouped by format, a dense linear a format
     of its own, since XLA:CPU copies a dense weight's slice out of a stack before its library
-    dot (SmolLM2 f32 decode: 49 -> 84 ms a step). Each stacked leaf is filled in one host
-    buffer that the device adopts; a leaf all of a format's layers share is kept as it is.
-    `consume`: `layers` is emptied and each source array dropped as soon as it is copied, so
-    stacking holds one layer's array beyond the params."""
+    dot (SmolLM2 f32 decode: 49 -> 84 ms a step); a leaf all of a format's layers share is
+    kept as it is. `consume`: `layers` is emptied and each source array dropped as soon as it
+    is copied, so stacking holds one layer's array beyond the params."""
     n = len(layers)
     parts = [[_part(lp, p) for p in range(len(PARTS))] for lp in layers]
     if consume:  # `parts`, then `flat`, hold the only references to the sources
@@ -210,34 +234,14 @@ def stack_layers(layers: list[LayerParams], consume: bool = False) -> LayerStack
             if sig not in signatures:
                 signatures.append(sig)
         kind = [signatures.index(sig) for sig in sigs]
-        formats, stacked = [], []
-        for f in range(len(signatures)):
-            members = [i for i, k in enumerate(kind) if k == f]
-            out, mask = [], []
-            for j in range(len(flat[members[0]][0])):
-                first = flat[members[0]][0][j]
-                mask.append(any(flat[i][0][j] is not first for i in members))
-                if not mask[-1]:
-                    out.append(first)
-                    continue
-                buf = host_buffer((len(members), *first.shape), first.dtype)
-                del first
-                for r, i in enumerate(members):
-                    buf[r] = np.asarray(flat[i][0][j])
-                    if consume:
-                        flat[i][0][j] = None
-                        release_adopted()
-                out.append(jax.device_put(buf))
-                if consume:
-                    trim_heap()  # the sources' freed heap (small arrays are not served by mmap)
-            formats.append(jax.tree_util.tree_unflatten(flat[members[0]][1], out))
-            stacked.append(tuple(mask))
+        formats = [_stack_format(flat, [i for i, k in enumerate(kind) if k == f], consume)
+                   for f in range(len(signatures))]
         if p == 0 and len(formats) > 1:  # `forward` reads every layer's norms alike
             raise ValueError("decoder layers whose norms or biases differ in shape or dtype")
-        stacks.append(tuple(formats))
+        stacks.append(tuple(tree for tree, _ in formats))
         kinds.append(tuple(kind))
         places.append(tuple(kind[:i].count(k) for i, k in enumerate(kind)))
-        masks.append(tuple(stacked))
+        masks.append(tuple(mask for _, mask in formats))
     return LayerStack(tuple(stacks), tuple(kinds), tuple(places), tuple(masks))
 
 
