@@ -24,8 +24,7 @@ from tqjax.cli import ArgumentParser, check_writable, print_json, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH = ROOT / "results" / "current" / "bench"
-DEFAULT_WEIGHTS = (ROOT / "results" / "current" / "weights" / "weights_smollm2.json",
-                   ROOT / "results" / "current" / "weights" / "weights_qwen.json")
+WEIGHTS = ROOT / "results" / "current" / "weights"  # weights_table.py JSONs: every one is drawn
 PEER_NAMES = {"hf": "HF transformers", "llamacpp": "llama.cpp"}
 MIB = 1 << 20
 
@@ -196,7 +195,13 @@ def dppl_figure(files: list[Path], out: Path, note: str) -> Path | None:
             for r in pts:
                 ax.annotate(r["run"], (r["bpw"], r["dppl_pct"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
-        ax.set_yscale("symlog", linthresh=1.0)
+        values = [abs(r["dppl_pct"]) for r in mine]
+        if max(values) > 10 * max(min(values), 1.0):  # over a decade: log-like, else linear
+            ax.set_yscale("symlog", linthresh=1.0)
+        bits = [r["bpw"] for r in mine]
+        if max(bits) - min(bits) < 1.0:  # formats of one size: a bit's width either side
+            ax.set_xlim((max(bits) + min(bits)) / 2 - 1.0, (max(bits) + min(bits)) / 2 + 1.0)
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.set_xlabel("bits per weight (quantized tensors, every stored byte)")
         ax.set_ylabel("ΔPPL vs f32 weights (%)")
         ax.set_title(model)
@@ -228,8 +233,10 @@ def save(fig: object, out: Path) -> Path:
 def main() -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bench", default=str(DEFAULT_BENCH), help="folder of bench JSONs")
-    p.add_argument("--weights-json", nargs="*", default=[str(f) for f in DEFAULT_WEIGHTS],
-                   help="weights_table.py JSON files for ΔPPL vs bits")
+    p.add_argument("--weights-json", nargs="*",
+                   default=[str(f) for f in sorted(WEIGHTS.glob("weights_*.json"))],
+                   help="weights_table.py JSON files for ΔPPL vs bits (default: every one in "
+                        "results/current/weights)")
     p.add_argument("--out", default=str(ROOT / "docs"), help="folder for the PNGs")
     p.add_argument("--note", default="", help="added to every title (e.g. 'smoke test')")
     args = p.parse_args()

@@ -69,9 +69,10 @@ def commands(step: str, models: list[str]) -> list[tuple[list[str], Path | None]
     if step == "plan":
         return [([f"{s}/plan_check.py", "--out", str(out / "plan" / "check.json")], None)]
     if step == "plots":
-        weights = [str(out / "weights" / f"weights_{short_name(m)}.json") for m in models]
-        return [([f"{s}/plot.py", "--bench", str(out / "bench"), "--weights-json", *weights,
-                  "--out", str(ROOT / "docs")], None)]
+        # (plot.py's default --weights-json: every table in results/current/weights, so the
+        # plots step runs on its own as well as after the weights step)
+        return [([f"{s}/plot.py", "--bench", str(out / "bench"), "--out", str(ROOT / "docs")],
+                 None)]
     raise TqjaxError(f"unknown step {step!r} (choose from: {', '.join(STEPS)})")
 
 

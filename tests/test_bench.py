@@ -220,3 +220,17 @@ def test_plot(bench_json, tmp_path):
     for name in names:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_user_error(run("plot.py", "--bench", tmp_path / "nowhere"), "no bench folder")
+
+
+def test_plot_defaults_draw_the_committed_results(tmp_path):
+    """`results.py --only plots` runs plot.py with its defaults: every weights table in
+    results/current/weights (it once named tables that are not there, and failed)."""
+    pytest.importorskip("matplotlib")
+    root = GOLDEN.parent
+    tables = sorted((root / "results" / "current" / "weights").glob("weights_*.json"))
+    proc = run("plot.py", "--bench", root / "results" / "current" / "bench", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    written = {p.split("/")[-1] for p in report["written"]}
+    assert ("weights_dppl_vs_bits.png" in written) == bool(tables)
+    assert "bench_decode_vs_context.png" in written
