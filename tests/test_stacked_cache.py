@@ -364,3 +364,32 @@ def test_layer_stack_shards_and_round_trips_through_orbax(deep_quantized, tmp_pa
     meta.write_text(json.dumps(info))
     with pytest.raises(TqjaxError, match="layers stacked in an older layout"):
         restore_sharded(tmp_path / "orbax")
+
+
+def test_a_stacked_weight_dequantizes_layer_by_layer(deep_quantized):
+    """The reference dequantization reads a stacked `QuantizedLinear` (its layer axis first)
+    as the stack of its layers' weights; the Pallas kernel takes one layer's weight only
+    (`supported` says no to a stack, which the layer loop slices first)."""
+    from tqjax.models.transformer import PARTS, stack_layers
+    from tqjax.pallas import dequant_matmul
+    from tqjax.quant.weights import QuantizedLinear, dequantize_weight
+
+    params, config = deep_quantized
+    stack = stack_layers(list(params.layers))
+    seen = 0
+    for p, part in enumerate(PARTS[1:], start=1):
+        for f, fmt in enumerate(stack.stacks[p]):
+            w = getattr(fmt, part)
+            if not isinstance(w, QuantizedLinear) or w.packed.ndim != 3:
+                continue
+            got = np.asarray(dequantize_weight(w))  # [layers, K_pad, N]
+            layers = [i for i in range(len(stack)) if stack.kind[p][i] == f]
+            assert got.shape[0] == len(layers) > 1
+            for i in layers:
+                one = getattr(params.layers[i], part)
+                want = np.asarray(dequantize_weight(one))
+                np.testing.assert_array_equal(got[stack.pos[p][i]], want)
+            assert not dequant_matmul.supported((1, one.padded_in), w)
+            assert dequant_matmul.supported((1, one.padded_in), one)
+            seen += 1
+    assert seen >= 7  # every linear's tq4 stack (4 layers) and int8 stack (3)

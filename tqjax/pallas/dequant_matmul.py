@@ -77,7 +77,8 @@ def tile_rows(group: int) -> int:
 
 def supported(x_shape: tuple[int, ...], w: PackedWeight) -> bool:
     """Whether `dequant_matmul` handles x [M, K_pad] with w (else use the XLA reference)."""
-    return (len(x_shape) == 2 and x_shape[1] == w.padded_in and tile_rows(w.group) >= 16
+    return (len(x_shape) == 2 and w.packed.ndim == 2  # (one layer's weight, not a stack)
+            and x_shape[1] == w.padded_in and tile_rows(w.group) >= 16
             and w.out_features % 16 == 0 and 1 <= w.bits <= 8)
 
 
@@ -170,13 +171,13 @@ def _dequant_matmul(x: jax.Array, w: PackedWeight, interpret: bool,
     row_spec = lambda r: pl.BlockSpec((block_n, r), lambda i, j, s: (j, 0))  # noqa: E731
     kernel = functools.partial(
         _kernel, bits=w.bits, group=w.group, tile=tile, tiles_per_split=k // tile // splits,
-        n_bytes=w.packed.shape[1], rows=rows, block_n=block_n)
+        n_bytes=w.packed.shape[-1], rows=rows, block_n=block_n)
     out = pl.pallas_call(
         kernel,
         grid=(row_blocks, n // block_n, splits),
         in_specs=[
             x_spec,
-            row_spec(w.packed.shape[1]),
+            row_spec(w.packed.shape[-1]),
             row_spec(groups),
             None if w.offset is None else row_spec(groups),
             pl.BlockSpec(w.lut.shape, lambda i, j, s: (0,)),

@@ -113,18 +113,20 @@ def rotate_input(x: jax.Array, w: QuantizedLinear, flat: bool = False) -> jax.Ar
 
 def _dequantize(packed: jax.Array, scale: jax.Array, offset: jax.Array | None, lut: jax.Array,
                 bits: int, group: int) -> jax.Array:
-    """Codes packed uint8 [n, K·bits/8] with scale (offset) f16 [n, K/group] -> f32 [n, K]."""
-    n, k = packed.shape[0], packed.shape[1] * 8 // bits
-    values = lut[unpack_bits(packed, bits, k)].reshape(n, k // group, group)
+    """Codes packed uint8 [..., n, K·bits/8] with scale (offset) f16 [..., n, K/group] -> f32
+    [..., n, K] (leading axes: a stack's layers)."""
+    k = packed.shape[-1] * 8 // bits
+    values = lut[unpack_bits(packed, bits, k)].reshape(*packed.shape[:-1], k // group, group)
     values = values * scale.astype(jnp.float32)[..., None]
     if offset is not None:
         values = values + offset.astype(jnp.float32)[..., None]
-    return values.reshape(n, k)
+    return values.reshape(*packed.shape[:-1], k)
 
 
 def dequantize_weight(w: QuantizedLinear) -> jax.Array:
-    """The stored weight in the rotated input basis, f32 [K_pad, N] (reference path)."""
-    return _dequantize(w.packed, w.scale, w.offset, w.lut, w.bits, w.group).T
+    """The stored weight in the rotated input basis, f32 [..., K_pad, N] (reference path;
+    leading axes: a stack's layers)."""
+    return jnp.swapaxes(_dequantize(w.packed, w.scale, w.offset, w.lut, w.bits, w.group), -1, -2)
 
 
 TILE_WEIGHTS = tiling.TILE_WEIGHTS  # weights dequantized per step of `_tiled_matmul`
