@@ -12,7 +12,10 @@ Modes: float32, bfloat16, float16 (dtype), gguf (`weights="gguf"`, blocks kept),
 (`weights=`, quantized on the fly; "tq4+emb": with `quantize_embeddings`; "mixed-4.25": mixed
 at 4.25 bpw), and ckpt:PATH (a
 saved quantized checkpoint; the model is then PATH). `--generate N` also runs an N-token greedy
-generate after the load.
+generate after the load. `--breakdown` adds where the load's growth over the base lies, after
+the load (bytes, "breakdown"): anonymous and file-backed pages (/proc/self/smaps_rollup; file:
+the code pages of the libraries the load ran), the C heap's allocations (glibc `mallinfo2`,
+in use), the params, and the tokenizer (RSS freed by dropping it, measured last).
 
     python scripts/research/load_memory.py -m smollm2-135m-instruct qwen2.5-coder-0.5b-instruct \
         --modes float32 bfloat16 float16 gguf
@@ -43,7 +46,34 @@ def status_bytes(key: str) -> int:
     return 0
 
 
-def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
+def rollup() -> dict[str, int]:
+    """Resident bytes of the process, anonymous and file-backed (/proc/self/smaps_rollup)."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Anonymous"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return {"anon": fields["Anonymous"], "file": fields["Rss"] - fields["Anonymous"]}
+
+
+def malloc_in_use() -> int:
+    """Bytes the C heap has handed out and not had back (glibc `mallinfo2`: arenas + mmap)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                                                   "hblkhd", "usmblks", "fsmblks", "uordblks",
+                                                   "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def child(model: str, mode: str, generate: int, mmap_threshold: bool,
+          breakdown: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -55,6 +85,7 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
         release_large_buffers()
     jax.jit(lambda x: x * 2 + 1)(jnp.ones(8)).block_until_ready()
     base = status_bytes("VmHWM")
+    pages, heap = (rollup(), malloc_in_use()) if breakdown else ({}, 0)
     kwargs: dict = {}
     if mode.startswith("ckpt:"):
         model = mode.removeprefix("ckpt:")
@@ -77,6 +108,11 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
             params += leaf.nbytes
     out = {"model": model, "mode": mode, "base_hwm": base, "load_hwm": status_bytes("VmHWM"),
            "rss": status_bytes("VmRSS"), "params": params, "load_s": round(load_s, 1)}
+    if breakdown:
+        now = rollup()
+        out["breakdown"] = {"anon": now["anon"] - pages["anon"],
+                            "file": now["file"] - pages["file"],
+                            "malloc_in_use": malloc_in_use() - heap, "params": params}
     if generate:
         tqjax.generate(m, "Once upon a time", max_new_tokens=generate)
         out["gen_rss"] = status_bytes("VmRSS")
@@ -84,6 +120,17 @@ def child(model: str, mode: str, generate: int, mmap_threshold: bool) -> dict:
     out["ratio"] = round((out["load_hwm"] - base) / params, 3)
     if generate:
         out["generate"] = generate
+    if breakdown and m.tokenizer is not None:
+        import dataclasses
+        import gc
+
+        from tqjax.host import trim_heap
+
+        rss = status_bytes("VmRSS")
+        m = dataclasses.replace(m, tokenizer=None)
+        gc.collect()
+        trim_heap()
+        out["breakdown"]["tokenizer"] = rss - status_bytes("VmRSS")
     return out
 
 
@@ -136,6 +183,9 @@ def main() -> None:
     p.add_argument("--mmap-threshold", action="store_true",
                    help="serve large heap blocks from mmap as the CLI scripts do "
                         "(tqjax.host.release_large_buffers)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also report where the load's growth lies (anonymous and file pages, "
+                        "the C heap, params, the tokenizer)")
     p.add_argument("--hf-copy", metavar="DIR", help="write the first --model as an HF "
                    "safetensors directory (f32) and exit")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
@@ -144,13 +194,15 @@ def main() -> None:
         hf_copy(args.model[0], args.hf_copy)
         return
     if args.child:
-        print(json.dumps(child(*args.child, args.generate, args.mmap_threshold)), flush=True)
+        print(json.dumps(child(*args.child, args.generate, args.mmap_threshold,
+                               args.breakdown)), flush=True)
         return
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     for model in args.model:
         for mode in args.modes:
             cmd = [sys.executable, __file__, "--child", model, mode, "--generate",
                    str(args.generate)] + (["--mmap-threshold"] if args.mmap_threshold else [])
+            cmd += ["--breakdown"] if args.breakdown else []
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 lines = proc.stderr.strip().splitlines() or ["(no output)"]
