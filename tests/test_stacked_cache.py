@@ -393,3 +393,30 @@ def test_a_stacked_weight_dequantizes_layer_by_layer(deep_quantized):
             assert dequant_matmul.supported((1, one.padded_in), one)
             seen += 1
     assert seen >= 7  # every linear's tq4 stack (4 layers) and int8 stack (3)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_a_half_cache_is_updated_and_read_in_place(deep, dtype):
+    """A bf16 (or f16) cache's decode step never converts its stacked layers to f32:
+    XLA:CPU computes bf16 slices and updates in f32, and so converted a bf16 cache's whole
+    stack there and back at every layer (15x slower than f32 at 4k slots). Its logits stay
+    those of an f32 cache to half precision, and it stores the rows rounded."""
+    params, config = deep
+    spec = CacheSpec(dtype, dtype)
+    slots = 256
+    cache = new(params, config, spec, batch=1, slots=slots)
+    step = jax.jit(lambda p, c, t, s: forward(p, config, t, s, c), donate_argnums=1)
+    tok, pos = jnp.ones((1, 1), jnp.int32), jnp.asarray([5], jnp.int32)
+    text = step.lower(params, cache, tok, pos).compile().as_text()
+    stack = f"{LAYERS},1,{config.num_kv_heads},{slots},{config.head_dim}]"
+    assert f"[{stack}" in text  # (the stack is in the program, in its own type)
+    assert f"f32[{stack}" not in text
+    ref = new(params, config, CacheSpec(), batch=1, slots=slots)
+    prompt = jnp.asarray([[3, 17, 5, 9, 40, 2]], jnp.int32)
+    got, cache = forward(params, config, prompt, jnp.zeros(1, jnp.int32), cache)
+    want, ref = forward(params, config, prompt, jnp.zeros(1, jnp.int32), ref)
+    tol = {"bf16": 1e-2, "f16": 1e-3}[dtype]  # measured 4.7e-3 and 5.4e-4 (logits up to 2.8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=0)
+    k = np.asarray(ref.layer(0).k.data[0, :, :6])  # (the first layer: the same inputs)
+    got_k = cache.layer(0).k.values()[0, :, :6]
+    np.testing.assert_array_equal(np.asarray(got_k), k.astype(got_k.dtype))

@@ -228,7 +228,8 @@ def _shift(cache: KVCache, row: jax.Array, keep: jax.Array, discard: jax.Array,
         return jax.tree_util.tree_map(lambda x: gather(x, False) if x.ndim >= 3 else x, store)
 
     def layer(lc: LayerCache) -> LayerCache:  # one layer; vmapped over each stacked group
-        return dataclasses.replace(lc, k=lc.k.replace(data=gather(lc.k.data, True)),
+        keys = lc.k.encode(gather(lc.k.values(), True))  # (bf16: gathered as values)
+        return dataclasses.replace(lc, k=lc.k.replace(data=keys),
                                    v=values(lc.v))
 
     return KVCache(tuple(jax.vmap(layer)(group) for group in cache.groups))

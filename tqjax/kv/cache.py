@@ -136,7 +136,7 @@ StoreFactory = Callable[[StoreShape], object]
 
 def _dense_factory(dtype: jnp.dtype) -> StoreFactory:
     def make(s: StoreShape) -> kvs.DenseStore:
-        return kvs.DenseStore(jnp.zeros((s.batch, s.kv_heads, s.slots, s.head_dim), dtype))
+        return kvs.DenseStore.empty((s.batch, s.kv_heads, s.slots, s.head_dim), dtype)
 
     return make
 

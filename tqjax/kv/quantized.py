@@ -531,7 +531,7 @@ def materialize(store: object) -> jax.Array:
     """Every slot's reconstructed vector, f32 [B, KV, S, hd] (tests and debugging; attention
     never calls this)."""
     if isinstance(store, kvs.DenseStore):
-        return store.data.astype(jnp.float32)
+        return store.values().astype(jnp.float32)
     if isinstance(store, Int8Store):
         return _int8_values(store)
     if isinstance(store, Int4Store):

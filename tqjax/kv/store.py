@@ -86,9 +86,29 @@ def slot_block(x: jax.Array | LayerSlab, lo: jax.Array, size: int) -> jax.Array:
 
 @struct.dataclass
 class DenseStore:
-    """Uncompressed store (f32, bf16 or f16)."""
+    """Uncompressed store (f32, bf16 or f16). A bf16 store holds its values' bits (uint16):
+    XLA:CPU computes bf16 slices and updates in f32, converting the layer's whole stack there
+    and back at every layer and step (a bf16 cache decoded ~15x slower than f32 at 4k slots);
+    on the bits they stay in place, and each block is read as bf16 (`values`)."""
 
-    data: jax.Array  # [B, KV, S, hd]
+    data: jax.Array  # [B, KV, S, hd] f32 / f16, or uint16: bf16 bits
+    bf16: bool = struct.field(pytree_node=False, default=False)
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: jnp.dtype) -> DenseStore:
+        """Zeros [B, KV, S, hd] of `dtype`."""
+        bf16 = jnp.dtype(dtype) == jnp.bfloat16
+        return DenseStore(jnp.zeros(shape, jnp.uint16 if bf16 else dtype), bf16)
+
+    def values(self) -> jax.Array:
+        """The stored values in their own dtype [B, KV, S, hd] (bf16 from its bits)."""
+        return jax.lax.bitcast_convert_type(self.data, jnp.bfloat16) if self.bf16 else self.data
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        """x [..., hd] as this store holds values (its dtype; bf16 as bits)."""
+        if self.bf16:
+            return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+        return x.astype(self.data.dtype)
 
 
 @functools.singledispatch
@@ -121,23 +141,22 @@ def split_sink(store: object) -> tuple[jax.Array | None, object]:
 
 @write.register
 def _(store: DenseStore, x: jax.Array, start: jax.Array) -> DenseStore:
-    return DenseStore(write_rows(store.data, x, start))
+    return store.replace(data=write_rows(store.data, store.encode(x), start))
 
 
 @block.register
 def _(store: DenseStore, lo: jax.Array, size: int) -> DenseStore:
-    return DenseStore(slot_block(store.data, lo, size))
+    return store.replace(data=slot_block(store.data, lo, size))
 
 
 @scores.register
 def _(store: DenseStore, q: jax.Array, first: jax.Array | int = 0) -> jax.Array:
-    k = store.data.astype(q.dtype)
+    k = store.values().astype(q.dtype)
     return jnp.einsum("bknd,bksd->bkns", q, k, preferred_element_type=jnp.float32)
 
 
 @mix.register
 def _(store: DenseStore, p: jax.Array, first: jax.Array | int = 0) -> jax.Array:
-    # v read in p's dtype (f32), as `scores` reads k in q's: a bf16/f16 x bf16/f16 dot runs
-    # ~20x slower than f32 on XLA:CPU (no library kernel), and p keeps its f32 precision
-    return jnp.einsum("bkns,bksd->bknd", p, store.data.astype(p.dtype),
+    # v read in p's dtype (f32), as `scores` reads k in q's: p keeps its f32 precision
+    return jnp.einsum("bkns,bksd->bknd", p, store.values().astype(p.dtype),
                       preferred_element_type=jnp.float32)

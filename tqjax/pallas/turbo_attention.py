@@ -68,6 +68,8 @@ class DenseLike(Protocol):
 
     data: jax.Array  # [B, KV, S, hd]
 
+    def values(self) -> jax.Array: ...  # [B, KV, S, hd] in the values' dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -167,7 +169,7 @@ def _sink_slots(store: TurboLike | DenseLike) -> int:
 
 def _prefix(store: TurboLike | DenseLike, n: int) -> jax.Array:
     """The first n slots, exact: f32 [B, KV, n, hd] (a packed store's sink, or dense rows)."""
-    rows = store.sink if hasattr(store, "quantizer") else store.data[:, :, :n]
+    rows = store.sink if hasattr(store, "quantizer") else store.values()[:, :, :n]
     return rows.astype(jnp.float32)
 
 
@@ -176,7 +178,7 @@ def _operand(store: TurboLike | DenseLike) -> tuple[Layout, tuple[jax.Array, ...
         parts = tuple((seg.first, seg.count, seg.bits) for seg in segments(store.quantizer))
         layout = Layout(parts, store.packed.shape[-1])
         return layout, (store.packed, store.scale, _table(store.quantizer))
-    return Layout(None), (store.data,)
+    return Layout(None), (store.values(),)
 
 
 def _centre_terms(q: jax.Array, center: jax.Array, inv_freq: jax.Array,
