@@ -107,8 +107,10 @@ def _rows(refs: tuple, layout: Layout, slots: jax.Array, hd: int) -> tuple[jax.A
     shape = (slots.shape[0], hd)
     rows = jnp.broadcast_to(slots[:, None], shape)
     cols = jnp.broadcast_to(jnp.arange(hd, dtype=jnp.int32)[None, :], shape)
-    if layout.segments is None:
-        return refs[0][rows, cols].astype(jnp.float32), None
+    if layout.segments is None:  # (uint16: a bf16 store's bits, read as bf16 here, no copy)
+        x = refs[0][rows, cols]
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+        return x.astype(jnp.float32), None
     packed_ref, scale_ref, table_ref = refs
     byte, shift, mask, table = _channel_plan(layout, hd)
     word = packed_ref[rows, jnp.broadcast_to(byte[None, :], shape)].astype(jnp.int32)
@@ -178,7 +180,7 @@ def _operand(store: TurboLike | DenseLike) -> tuple[Layout, tuple[jax.Array, ...
         parts = tuple((seg.first, seg.count, seg.bits) for seg in segments(store.quantizer))
         layout = Layout(parts, store.packed.shape[-1])
         return layout, (store.packed, store.scale, _table(store.quantizer))
-    return Layout(None), (store.values(),)
+    return Layout(None), (store.data,)
 
 
 def _centre_terms(q: jax.Array, center: jax.Array, inv_freq: jax.Array,
