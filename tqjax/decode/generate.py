@@ -216,20 +216,24 @@ def _shift(cache: KVCache, row: jax.Array, keep: jax.Array, discard: jax.Array,
     src = jnp.minimum(jnp.where(moved, idx + discard, idx), slots - 1)  # [S]
     cos, sin = rope_cos_sin(-discard, inv_freq)  # [hd/2]
 
-    def gather(x: jax.Array, rotate: bool) -> jax.Array:
-        """Row `row` of x [B, KV, S, ...] with slot s taken from src[s] (keys re-rotated)."""
+    def gather(x: jax.Array, turn: Callable[[jax.Array], jax.Array] | None = None
+               ) -> jax.Array:
+        """Row `row` of x [B, KV, S, ...] with slot s taken from src[s] (`turn`: the keys'
+        re-rotation of the moved slots, as the store holds them)."""
         one = jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=1)
-        if rotate:
-            turned = apply_rope(one.astype(jnp.float32), cos, sin).astype(x.dtype)
-            one = jnp.where(moved[None, :, None], turned, one)
+        if turn is not None:
+            one = jnp.where(moved[None, :, None], turn(one), one)
         return jax.lax.dynamic_update_index_in_dim(x, one, row, 0)
 
     def values(store: object) -> object:
-        return jax.tree_util.tree_map(lambda x: gather(x, False) if x.ndim >= 3 else x, store)
+        return jax.tree_util.tree_map(lambda x: gather(x) if x.ndim >= 3 else x, store)
 
     def layer(lc: LayerCache) -> LayerCache:  # one layer; vmapped over each stacked group
-        keys = lc.k.encode(gather(lc.k.values(), True))  # (bf16: gathered as values)
-        return dataclasses.replace(lc, k=lc.k.replace(data=keys),
+        def turn(held: jax.Array) -> jax.Array:  # (a bf16 store's bits: gathered as bits)
+            keys = lc.k.replace(data=held).values().astype(jnp.float32)
+            return lc.k.encode(apply_rope(keys, cos, sin))
+
+        return dataclasses.replace(lc, k=lc.k.replace(data=gather(lc.k.data, turn)),
                                    v=values(lc.v))
 
     return KVCache(tuple(jax.vmap(layer)(group) for group in cache.groups))

@@ -102,7 +102,8 @@ class DenseStore:
 
     def values(self) -> jax.Array:
         """The stored values in their own dtype [B, KV, S, hd] (bf16 from its bits)."""
-        return jax.lax.bitcast_convert_type(self.data, jnp.bfloat16) if self.bf16 else self.data
+        data = self.data.value() if isinstance(self.data, LayerSlab) else self.data
+        return jax.lax.bitcast_convert_type(data, jnp.bfloat16) if self.bf16 else data
 
     def encode(self, x: jax.Array) -> jax.Array:
         """x [..., hd] as this store holds values (its dtype; bf16 as bits)."""
