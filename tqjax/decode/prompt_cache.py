@@ -193,7 +193,7 @@ def put_row(cache: KVCache, row: int, one: KVCache) -> KVCache:
 # ---------------------------------------------------------------- saved prompt caches
 
 FORMAT = "tqjax-prompt-cache"
-VERSION = 2  # 2: a bf16 dense store holds its bits (uint16), and every dense store a flag
+VERSION = 2  # 2: a bf16 dense store holds its bits (uint16)
 _MODEL_HASHES: dict[int, tuple[weakref.ref, str]] = {}  # id(params) -> (params, sha256)
 
 

@@ -92,13 +92,17 @@ class DenseStore:
     on the bits they stay in place, and each block is read as bf16 (`values`)."""
 
     data: jax.Array  # [B, KV, S, hd] f32 / f16, or uint16: bf16 bits
-    bf16: bool = struct.field(pytree_node=False, default=False)
 
     @staticmethod
     def empty(shape: tuple[int, ...], dtype: jnp.dtype) -> DenseStore:
         """Zeros [B, KV, S, hd] of `dtype`."""
         bf16 = jnp.dtype(dtype) == jnp.bfloat16
-        return DenseStore(jnp.zeros(shape, jnp.uint16 if bf16 else dtype), bf16)
+        return DenseStore(jnp.zeros(shape, jnp.uint16 if bf16 else dtype))
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the store holds bf16 values as their bits (its data is uint16)."""
+        return self.data.dtype == jnp.uint16
 
     def values(self) -> jax.Array:
         """The stored values in their own dtype [B, KV, S, hd] (bf16 from its bits)."""
