@@ -274,6 +274,11 @@ def run_sequential(params: Params, config: ModelConfig, windows: np.ndarray, qua
 
 
 HEAD_COLUMNS = 8192  # output-head columns (vocabulary entries) per block of the Fisher pass
+# Read-ahead: jax dispatches work asynchronously, so a loop that reads a layer (or a block of
+# the head) and hands it to a jitted function goes on reading while the work is queued, and
+# the read weights stay resident until their work is done. Each loop below therefore waits for
+# a layer's (a block's) results before it reads the next: Qwen2.5-Coder-0.5B's Fisher pass
+# held up to 8 f32 layers at once (+440 MB; 2-core AMD EPYC) without the wait.
 FISHER_SAVED_BYTES = 256 << 20  # layer inputs kept between the two sweeps, at most (about)
 
 
@@ -363,16 +368,17 @@ def _head_cotangents(params: Params, config: ModelConfig, head: Columns, xs: lis
     t, (_, v) = hns[0].shape[0], head.shape
     states = [(jnp.full(t, -jnp.inf), jnp.zeros(t), jnp.full(t, -jnp.inf),
                jnp.zeros(t, jnp.int32))] * len(xs)
-    for a in range(0, v, HEAD_COLUMNS):
+    for a in range(0, v, HEAD_COLUMNS):  # (each block waited for: see read-ahead)
         block = jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS)))
-        states = [_head_block(hn, block, key, jnp.int32(a), state)
-                  for hn, key, state in zip(hns, keys, states, strict=True)]
+        states = jax.block_until_ready([_head_block(hn, block, key, jnp.int32(a), state)
+                                        for hn, key, state in zip(hns, keys, states, strict=True)])
     lses = [state[0] + jnp.log(state[1]) for state in states]
     gs = [jnp.zeros(hn.shape, jnp.float32) for hn in hns]
     for a in range(0, v, HEAD_COLUMNS):
         block = jnp.asarray(head.read(a, min(v, a + HEAD_COLUMNS)))
-        gs = [_head_grad(hn, block, lse, state[3], jnp.int32(a), g)
-              for hn, lse, state, g in zip(hns, lses, states, gs, strict=True)]
+        gs = jax.block_until_ready([_head_grad(hn, block, lse, state[3], jnp.int32(a), g)
+                                    for hn, lse, state, g in zip(hns, lses, states, gs,
+                                                                 strict=True)])
     return [_final_norm_vjp(x, params.final_norm, config.rms_eps, g[None])
             for x, g in zip(xs, gs, strict=True)]
 
@@ -403,8 +409,8 @@ def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windo
         for i in range(config.num_layers):
             lp = layer(i)
             inputs.append(xs)
-            xs = [_layer_forward(lp, config, x, inv_freq) for x in xs]
-            del lp
+            xs = jax.block_until_ready([_layer_forward(lp, config, x, inv_freq) for x in xs])
+            del lp  # (its work done: see read-ahead)
         gs = _head_cotangents(params, config, head, xs,
                               [jax.random.PRNGKey(seed * 7919 + c + j) for j in range(len(xs))])
         del xs
@@ -415,8 +421,9 @@ def fisher_diagonal(params: Params, config: ModelConfig, paths: list[str], windo
                 for f, v in parts.items():
                     key = f"layers.{i}.{f}"
                     total[key] = total[key] + v / n if key in total else v / n
+            jax.block_until_ready((gs, total))
             inputs[i] = None
-            del lp
+            del lp  # (its work done: see read-ahead)
     return {p: total[p] for p in paths}
 
 
