@@ -69,6 +69,18 @@ def real_model():
     loaded.clear()
 
 
+@pytest.fixture
+def keep_quantizer_programs(monkeypatch):
+    """The quantizer keeps the programs it compiles (`quantize_params` drops them at each stage
+    and every `KEPT_PROGRAMS` formats, so that none stays beside a loaded model): for tests of
+    what it computes, not of its memory, where the drops would compile every format again at
+    each stage and call (a tiny "mixed" quantized twice: 41 s, 23 s with the programs kept).
+    The module's programs still go at its end (`_free_compiled_programs`)."""
+    from tqjax.models import quantize
+
+    monkeypatch.setattr(quantize, "drop_programs", lambda: None)
+
+
 def _mapped_regions() -> int:
     try:
         with open("/proc/self/maps") as f:

@@ -391,6 +391,7 @@ STREAM_SPECS = [("tq4", True, True), ("int4-affine", False, False), ("int8", Tru
 @pytest.mark.parametrize("method,emb,calibrated,dtype", [
     *((*spec, "float32") for spec in STREAM_SPECS), ("tq4", True, True, "bfloat16")])
 @pytest.mark.parametrize("source", ["llama_tied", "qwen2", "gguf:llama", "gguf:qwen2"])
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, emb, calibrated,
                                                               dtype, tmp_path, monkeypatch):
     """`quantize_params` over an opened checkpoint (one layer read at a time, the embedding
@@ -423,6 +424,7 @@ def test_quantized_as_read_equals_quantizing_the_loaded_model(source, method, em
 
 
 @pytest.mark.parametrize("calibrated", [True, False])
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_mixed_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypatch):
     """"mixed" reads the checkpoint a layer at a time too: the Fisher pass (a forward and a
     backward sweep), the measuring and the quantizing each read every layer once, and no

@@ -83,6 +83,7 @@ def test_kv_cache_quality(model):
 
 @pytest.mark.parametrize("run,spec", [("tq4", WeightSpec("tq4", seed=SEED)),
                                       ("mixed-4.25", WeightSpec("mixed", bpw=4.25, seed=SEED))])
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_weight_quantization_quality(smol, run, spec):
     """tq4 and mixed 4.25 bpw weights (GPTQ) against the unquantized model (the GGUF file's
     weights dequantized to f32), both with an f32 cache. SmolLM2 only: tq4 here costs ~135 s

@@ -472,6 +472,7 @@ def test_sequential_stages_reproduce_forward(tiny):
 
 @pytest.mark.parametrize("method,budget", [("int8", 0.03), ("int8-rot", 0.03), ("int4", 0.35),
                                            ("tq4", 0.35)])
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_quantized_forward_close_to_dense(tiny, tiny_ref, method, budget):
     q = quantize_params(tiny.params, tiny.config, WeightSpec(method))
     got = tqjax.logits(dataclasses.replace(tiny, params=q), TOKENS)
@@ -479,6 +480,7 @@ def test_quantized_forward_close_to_dense(tiny, tiny_ref, method, budget):
     assert isinstance(q.layers[1].w_down, type(q.layers[0].wq)) and q.lm_head is tiny.params.lm_head
 
 
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_calibrated_gptq_with_head(tiny, tiny_ref):
     cal = np.random.default_rng(0).integers(0, 256, (2, 48))
     q = quantize_params(tiny.params, tiny.config, WeightSpec("tq3", quantize_embeddings=True), cal)
@@ -630,6 +632,7 @@ def test_predicted_bits_equal_the_stored_bytes():
     assert 8 * unique_bytes(ws) == predicted
 
 
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_params_bits_exact(tiny):
     q = quantize_params(tiny.params, tiny.config, WeightSpec("tq4"))
     bits = params_bits(q)
@@ -944,6 +947,7 @@ def test_gather_columns_is_the_effective_weight(fmt):
     assert rel_err(got, w.T[ids]) < (0.02 if fmt.bits == 8 else 0.2)
 
 
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_rotated_int8_gptq_checkpoint(tiny, tiny_ref, tmp_path):
     """Per-channel int8 in the 64-row Hadamard basis, GPTQ-calibrated, saved and reloaded."""
     cal = np.random.default_rng(0).integers(0, 256, (2, 48))
@@ -962,6 +966,7 @@ def test_rotated_int8_gptq_checkpoint(tiny, tiny_ref, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2"])
+@pytest.mark.usefixtures("keep_quantizer_programs")
 def test_quantized_embeddings(name, tmp_path):
     """The embedding (and a tied head reading the same codes) quantized; checkpoint round trip."""
     m = tqjax.load(GOLDEN / "tiny" / name)
