@@ -22,16 +22,9 @@ import tempfile
 import time
 from typing import Any
 
+from tqjax.commands.bench import proc_status_bytes
+
 MIB = 2**20
-
-
-def rss(pid: int | str = "self") -> int:
-    """VmRSS of a process, bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def child(model: str, mode: str) -> None:
@@ -43,7 +36,8 @@ def child(model: str, mode: str) -> None:
     import tqjax.models.quantize as mq
 
     def log(label: str) -> None:
-        print(f"EVENT {time.time():.3f} {rss()} {label}", file=sys.stderr, flush=True)
+        print(f"EVENT {time.time():.3f} {proc_status_bytes('VmRSS')} {label}", file=sys.stderr,
+              flush=True)
 
     def wrap(module: Any, name: str, label: str) -> None:
         f = getattr(module, name)
@@ -108,10 +102,7 @@ def main() -> None:
                                  "--mode", a.mode], stderr=err)
         samples = []
         while proc.poll() is None:
-            try:
-                samples.append((time.time(), rss(proc.pid)))
-            except OSError:
-                pass
+            samples.append((time.time(), proc_status_bytes("VmRSS", proc.pid)))
             time.sleep(0.01)
         err.seek(0)
         report(samples, err.read(), a.min_mib)
