@@ -71,7 +71,10 @@ def report(samples: list[tuple[float, int]], log: str, min_mib: float) -> None:
         elif line.startswith("RESULT "):
             result = json.loads(line.removeprefix("RESULT "))
     if result is None or not events:
-        raise SystemExit("the child did not finish:\n" + log[-2000:])
+        last = [line for line in log.splitlines() if line.strip()
+                and not line.startswith("EVENT ")][-1:] or ["no output"]
+        print(f"error: the load did not finish: {last[0]}", file=sys.stderr)
+        raise SystemExit(2)
     base, params = result["base_hwm"], result["params"]
     peak = max(r for _, r in samples)
     print(json.dumps({**result, "sampled_peak_ratio": round((peak - base) / params, 3)}))
