@@ -165,7 +165,7 @@ def start_server(args: object) -> tuple[subprocess.Popen, str]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     for name in ("tp", "dp", "kv_boundary_layers"):
         flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name in ("kv_naive", "kv_aids", "quantize_embeddings"):
+    for name in ("quantize_embeddings",):
         if getattr(args, name):
             flags.append(f"--{name.replace('_', '-')}")
     if args.api_key:

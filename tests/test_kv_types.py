@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import runpy
+
 import pytest
 
 from tqjax.cli import cache_spec
 from tqjax.commands.generate import parse_args
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import BASELINES, STORE_FACTORIES, parse_kv
+from tqjax.kv.cache import NAIVE, STORE_FACTORIES, CacheSpec, parse_kv
+
+from .conftest import ROOT
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -38,11 +42,33 @@ def test_parse_kv_errors(text, needle):
     (["--kv", "turbo4", "--cache-type-v", "q8"], "turbo4", "q8", False),
     (["--cache-type-k", "q8_0"], "q8_0", "q8_0", False),
     (["--cache-type-v", "q4_0"], "q4_0", "q4_0", False),
-    (["--kv", "q4_0h", "--kv-aids"], "q4_0h", "q4_0h", True),
+    (["--kv", "q4_0h"], "q4_0h", "q4_0h", False),
 ])
 def test_cache_spec_flags(argv, k, v, aids):
     spec = cache_spec(parse_args(argv))
     assert (spec.k, spec.v, spec.baseline_aids) == (k, v, aids)
+
+
+@pytest.mark.parametrize("flag", ["--kv-naive", "--kv-aids"])
+def test_study_switches_are_not_user_options(flag, capsys):
+    """The ablations (robustness off, aids for the baselines) are kv_table.py's `:naive` and
+    `:aids`, not options of the programs users run."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--kv", "turbo4", flag])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_kv_table_flags_are_the_study_switches():
+    parse_type = runpy.run_path(str(ROOT / "scripts" / "kv_table.py"))["parse_type"]
+    assert parse_type("q4_0h:aids") == ("q4_0h:aids", {"k": "q4_0h", "v": "q4_0h",
+                                                        "baseline_aids": True})
+    label, kwargs = parse_type("turbo4/turbo3:naive")
+    assert kwargs == {"k": "turbo4", "v": "turbo3", **NAIVE}
+    spec = CacheSpec(**kwargs)
+    assert (spec.recent_tokens, spec.sink_tokens, spec.center_keys, spec.balance_keys) == (
+        0, 0, False, False)
+    with pytest.raises(TqjaxError, match="unknown flag 'aid'"):
+        parse_type("q4_0:aid")
 
 
 def test_help_lists_every_cache_type(capsys):
@@ -51,4 +77,5 @@ def test_help_lists_every_cache_type(capsys):
     text = "".join(capsys.readouterr().out.split())  # argparse may wrap at a hyphen
     for name in STORE_FACTORIES:
         assert f"{name}," in text or f"{name})" in text, name
-    assert "--kv-aids" in text and all(b in text for b in BASELINES)
+    assert "--kv-recent" in text and "--kv-boundary-layers" in text
+    assert "--kv-naive" not in text and "--kv-aids" not in text

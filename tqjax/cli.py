@@ -26,7 +26,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
-    from tqjax.kv.cache import BASELINES, STORE_FACTORIES
+    from tqjax.kv.cache import STORE_FACTORIES
     from tqjax.models.loading import GGUF_WEIGHTS
     from tqjax.models.quantize import METHODS, MIXED
 
@@ -61,20 +61,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "are made)")
     p.add_argument("--dp", type=int, default=1, metavar="M",
                    help="data parallel: split the batch over M devices (a mesh of M x N)")
-    study = p.add_argument_group("research options (the KV cache's robustness steps; the "
-                                 "defaults are the recipe)")
-    study.add_argument("--kv-naive", action="store_true",
-                       help="turn off TurboQuant's outlier handling (centring, key balancing, "
-                            "sink slots, exact recent window), for study")
-    study.add_argument("--kv-recent", type=int, default=None, metavar="N",
-                       help="turbo caches: each query sees its N most recent tokens exactly "
-                            "(a per-layer ring of N fp16 keys and values; default 32, 0 = off)")
-    study.add_argument("--kv-boundary-layers", type=int, default=0,
-                       help="keep the first and last N layers' cache in q8")
-    study.add_argument("--kv-aids", action="store_true",
-                       help=f"give the baseline caches ({', '.join(BASELINES)}) turbo's aids "
-                            f"too (centring, key balancing, sink slots, recent window), for a "
-                            f"like-for-like comparison")
+    p.add_argument("--kv-recent", type=int, default=None, metavar="N",
+                   help="turbo caches: each query sees its N most recent tokens exactly (a "
+                        "per-layer ring of N fp16 keys and values; default 32, 0 = off)")
+    p.add_argument("--kv-boundary-layers", type=int, default=0, metavar="N",
+                   help="keep the first and last N layers' cache in q8 (default 0)")
 
 
 def model_mesh(args: argparse.Namespace) -> object:
@@ -100,7 +91,7 @@ def model_mesh(args: argparse.Namespace) -> object:
 
 def cache_spec(args: argparse.Namespace) -> object:
     """The CacheSpec that --kv / --cache-type-k/v / --kv-* ask for (validated)."""
-    from tqjax.kv.cache import NAIVE, CacheSpec, check_spec, parse_kv
+    from tqjax.kv.cache import CacheSpec, check_spec, parse_kv
 
     k, v = args.cache_type_k, args.cache_type_v
     if args.kv is not None:
@@ -109,10 +100,6 @@ def cache_spec(args: argparse.Namespace) -> object:
     k = k or v or "f32"
     v = v or k
     options = {"boundary_layers": args.kv_boundary_layers}
-    if args.kv_naive:
-        options |= NAIVE
-    if args.kv_aids:
-        options["baseline_aids"] = True
     if args.kv_recent is not None:
         options["recent_tokens"] = args.kv_recent
     spec = CacheSpec(k, v, **options)

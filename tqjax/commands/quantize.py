@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dense-dtype", default="float16", choices=list(DTYPES),
                    help="storage dtype of the tensors kept dense (embedding, norms, biases)")
     p.add_argument("--json", action="store_true", help="print one JSON line at the end")
-    study = p.add_argument_group("calibration and study options (the defaults are the recipe)")
+    study = p.add_argument_group("calibration options (the defaults are the recipe)")
     study.add_argument("--calibration", default="default", help=CALIBRATION_HELP)
     study.add_argument("--calibration-windows", type=int, default=CALIBRATION_WINDOWS,
                        help=f"windows of calibration text (default {CALIBRATION_WINDOWS})")

@@ -101,7 +101,8 @@ class CacheSpec:
                    or (self.center_values and self.aided(v)) for k, v in types)
 
 
-# CacheSpec options that switch every robustness step off (`--kv-naive`, for study)
+# CacheSpec options that switch every robustness step off: an ablation for study
+# (`scripts/kv_table.py`'s `:naive` flag; from Python, `CacheSpec(k, v, **NAIVE)`)
 NAIVE = {"center_keys": False, "center_values": False, "balance_keys": False, "sink_tokens": 0,
          "recent_tokens": 0}
 
