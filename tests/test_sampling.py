@@ -1,6 +1,8 @@
 """Per-row traced sampling: a batch mixing settings equals each row sampled alone, greedy rows
 are the exact argmax, draws follow the softmax, and new settings never recompile."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,3 +59,22 @@ def test_token_logprobs_are_the_log_softmax():
     np.testing.assert_array_equal(lp.top_ids, [[0, 1], [1, 3]])
     np.testing.assert_allclose(lp.top, [[ref[0, 0], ref[0, 1]], [ref[1, 1], ref[1, 3]]],
                                rtol=1e-6)
+
+
+def test_any_integer_seed_and_top_k_are_taken_as_the_draws_take_them():
+    """A seed is kept mod 2^32 (jax's key of a seed s is the key of s mod 2^32, so every seed
+    that worked draws as before), a top_k past int32 as 2^31 - 1 (any k >= the vocabulary
+    keeps every token): no size of integer fails when the settings become arrays."""
+    for seed in (0, 7, -1, 2**31, 2**32 + 5, 2**63 - 1, -(2**63)):
+        np.testing.assert_array_equal(np.asarray(request_key(SamplingParams(seed=seed).seed)),
+                                      np.asarray(request_key(seed)))
+    for seed in (2**64 + 5, -(2**63) - 1, 10**30):
+        assert SamplingParams(seed=seed).seed == seed % 2**32
+    big = SamplingParams(temperature=1.0, top_k=2**40, seed=3)
+    assert big.top_k == 2**31 - 1
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 50)).astype(np.float32))
+    seen = jnp.zeros((1, 50), bool)
+    keys = request_key(3)[None]
+    off = dataclasses.replace(big, top_k=0)  # top-k off: the same draw
+    assert (np.asarray(sample_rows(logits, seen, keys, row_sampling([big]))[0])
+            == np.asarray(sample_rows(logits, seen, keys, row_sampling([off]))[0])).all()

@@ -243,19 +243,42 @@ def test_faults_give_their_status_and_the_server_keeps_serving(model, live, monk
         (post(url, json={**ok, "prompt": "x" * 5000}), 413),
         (get(live.url + "/v1/nothing"), 404),
         (post(live.url + "/detokenize", json={"tokens": [-1]}), 400),
+        # a lone surrogate (valid JSON, not valid Unicode)
+        (post(url, content=b'{"prompt": "a\\ud800", "max_tokens": 2}'), 400),
+        (post(live.url + "/tokenize", content=b'{"content": "\\udc00"}'), 400),
+        (post(url, json={**ok, "logit_bias": {"5": -100}}), 400),  # refused, not ignored
+        (post(url, json={**ok, "best_of": 3}), 400),
+        (post(url, json={**ok, "suffix": "end"}), 400),
+        (post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+         400),
+        (post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"}}), 400),
+        # a chunked body (no Content-Length) is held to the same limit
+        (post(url, content=iter([b'{"prompt": "', b"x" * 3000, b"x" * 3000, b'"}']),
+              headers={"content-type": "application/json"}), 413),
     ]
     assert [status_and_error(r) for r, _ in cases] == [s for _, s in cases]
+    chunked = post(url, content=iter([json.dumps(ok).encode()[:5], json.dumps(ok).encode()[5:]]))
+    assert chunked.status_code == 200 and chunked.request.headers["transfer-encoding"] == "chunked"
+    assert chunked.json()["choices"][0]["text"] == offline(model, "ab", 2).text
+    # seeds of any size (the key takes a seed mod 2^32) and a top_k past int32 are accepted
+    for extra in ({"seed": 2**64 + 7}, {"seed": -(2**63) - 1}, {"top_k": 2**31}):
+        assert post(url, json={**ok, "temperature": 0.7, **extra}).status_code == 200, extra
+    same = [post(url, json={**ok, "temperature": 1.0, "max_tokens": 6, "seed": s}).json()
+            for s in (7, 2**64 + 7)]
+    assert same[0]["choices"][0]["text"] == same[1]["choices"][0]["text"]
     with pytest.raises(openai.BadRequestError):
         live.client.completions.create(model="tiny", prompt="ab", max_tokens=2, temperature=3)
 
     monkeypatch.setattr(live.server, "api_key", "secret")
     assert status_and_error(post(url, json=ok)) == 401
-    assert post(url, json=ok, headers={"authorization": "Bearer secret"}).status_code == 200
+    assert status_and_error(post(url, json=ok, headers={"authorization": "Basic secret"})) == 401
+    for scheme in ("Bearer", "bearer"):  # the scheme is case-insensitive
+        assert post(url, json=ok, headers={"authorization": f"{scheme} secret"}
+                    ).status_code == 200
     monkeypatch.setattr(live.server, "api_key", None)
-
-    monkeypatch.setattr(live.engine, "max_queue", 0)
-    assert status_and_error(post(url, json=ok)) == 429
-    monkeypatch.setattr(live.engine, "max_queue", 64)
 
     real, marker = live.engine._prefill, model.tokenizer.encode("FAIL")
 
@@ -274,6 +297,38 @@ def test_faults_give_their_status_and_the_server_keeps_serving(model, live, monk
     out = live.client.completions.create(model="tiny", prompt="after", max_tokens=4,
                                          temperature=0)
     assert out.choices[0].text == offline(model, "after", 4).text
+
+
+@pytest.mark.parametrize("max_queue", [0, 1])
+def test_max_queue_counts_requests_beyond_the_free_slots(model, monkeypatch, max_queue):
+    """--max-queue N: N requests may wait for a busy slot; a free slot always takes one (0 is
+    not "refuse everything"). One slot, held by a request whose prefill waits on an event."""
+    srv, release = Live(model, slots=1, max_queue=max_queue), threading.Event()
+    try:
+        url, ok = srv.url + "/v1/completions", {"prompt": "ab", "max_tokens": 2,
+                                                "temperature": 0}
+        assert post(url, json=ok).status_code == 200  # idle: the free slot takes it
+        real, holding = srv.engine._prefill, model.tokenizer.encode("HOLD")
+
+        def held(row):
+            if srv.engine.slots[row].req.prompt[:4] == holding:
+                release.wait(60)
+            return real(row)
+
+        monkeypatch.setattr(srv.engine, "_prefill", held)
+        with concurrent.futures.ThreadPoolExecutor(1 + max_queue) as pool:
+            first = pool.submit(post, url, json={**ok, "prompt": "HOLD on"})
+            while srv.engine.counts()["running"] == 0:
+                time.sleep(0.01)
+            waiting = [pool.submit(post, url, json=ok) for _ in range(max_queue)]
+            while srv.engine.counts()["waiting"] < max_queue:
+                time.sleep(0.01)
+            assert status_and_error(post(url, json=ok)) == 429
+            release.set()
+            assert [f.result().status_code for f in [first, *waiting]] == [200] * (1 + max_queue)
+    finally:
+        release.set()
+        srv.close()
 
 
 def test_invalid_chat_messages_are_400_naming_the_field(live):
@@ -476,14 +531,25 @@ def test_smollm2_system_prompt_reuse_and_equal_greedy_output(real_model):
 
 
 def test_serve_command_checks_grace_and_mesh_before_loading():
-    """tqjax-serve refuses a negative --shutdown-grace, and builds the --tp/--dp mesh (here:
-    too few devices, a one-line error) before loading the model."""
+    """tqjax-serve refuses a negative --shutdown-grace, a --max-body-bytes below 1, an unknown
+    host and a port in use, and builds the --tp/--dp mesh (here: too few devices, a one-line
+    error), all before loading the model."""
     import jax
 
     from tqjax.commands import serve
 
     with pytest.raises(tqjax.TqjaxError, match="--shutdown-grace"):
         serve.run(["-m", "nowhere", "--shutdown-grace", "-1"])
+    with pytest.raises(tqjax.TqjaxError, match="--max-body-bytes must be >= 1"):
+        serve.run(["-m", "nowhere", "--max-body-bytes", "0"])
+    with pytest.raises(tqjax.TqjaxError, match="--host 999.1.1.1"):
+        serve.run(["-m", "nowhere", "--host", "999.1.1.1"])
+    with socket.socket() as taken:  # a port in use: refused before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(tqjax.TqjaxError, match=f"cannot listen on 127.0.0.1:{port}"):
+            serve.run(["-m", "nowhere", "--port", str(port)])
     if jax.device_count() < 4:
         with pytest.raises(tqjax.TqjaxError, match="needs 4 devices"):
             serve.run(["-m", "nowhere", "--tp", "2", "--dp", "2"])

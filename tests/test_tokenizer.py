@@ -66,6 +66,16 @@ def spm_gguf(tmp_path_factory):
     return tokenizer_from_gguf(_write_spm_gguf(path, _proto(), add_space_prefix=True))
 
 
+def test_text_that_is_not_unicode_is_a_user_error(spm_gguf):
+    """A lone surrogate (undecodable bytes in argv, "\\ud800" in a JSON body) is a one-line
+    TqjaxError naming where it is (the `tokenizers` backend raised a TypeError)."""
+    for text, at in (("ab\ud800", 2), ("\udcff rest", 0)):
+        with pytest.raises(TqjaxError, match=f"not valid Unicode: surrogates not allowed at "
+                                             f"character {at}$"):
+            spm_gguf.encode(text)
+    assert spm_gguf.encode("ab", add_bos=False) == spm_gguf.encode("ab")[1:]
+
+
 def test_read_gguf_metadata_is_the_readers(tmp_path):
     """read_gguf's metadata has the same keys, values and Python types as gguf.GGUFReader's
     own, scores (floats) bit for bit."""

@@ -30,9 +30,14 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     repeat_penalty: float = 1.0  # 1: off; HF/CTRL style over every token in the context
-    seed: int = 0
+    seed: int = 0  # any integer: the PRNG key depends on its low 32 bits (`request_key`)
 
     def __post_init__(self) -> None:
+        # kept as the draws already take them, so no size of int fails downstream: a seed
+        # mod 2^32 (jax's key for seed s is that of s mod 2^32), a top-k of at most 2^31 - 1
+        # (int32; any k >= the vocabulary keeps every token)
+        object.__setattr__(self, "seed", int(self.seed) % (1 << 32))
+        object.__setattr__(self, "top_k", min(int(self.top_k), (1 << 31) - 1))
         if not 0 <= self.temperature < math.inf:
             raise TqjaxError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -74,6 +74,11 @@ class Tokenizer:
         """Token ids of `text`. By default the tokenizer's own configuration decides the special
         tokens (a `tokenizers` post-processor: exactly HF's `tokenizer(text).input_ids`; for a
         sentencepiece model, `add_bos`); add_bos=False adds none, add_bos=True only a BOS."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (bad bytes in argv, "\ud800" in JSON)
+            raise TqjaxError(f"text is not valid Unicode: {e.reason} at character "
+                             f"{e.start}") from None
         if self.is_sentencepiece:
             ids = list(self.backend.encode(text))
         elif add_bos is None:

@@ -229,7 +229,10 @@ class Engine:
         with self.cond:
             if not self.accepting:
                 raise TqjaxError("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            # max_queue counts the requests that wait for a slot: those beyond the free slots
+            # (a request waits here until the engine's next step places it, free slot or not)
+            free = sum(s.req is None for s in self.slots)
+            if len(self.waiting) >= free + self.max_queue:
                 self.stats.rejected += 1
                 raise QueueFull(f"too many waiting requests ({len(self.waiting)})")
             self.waiting.append(req)

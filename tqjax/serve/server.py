@@ -19,6 +19,7 @@ in one request (the others go on), 501 slot files not enabled, 503 shutting down
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -91,6 +92,8 @@ class _Common(BaseModel):
     repeat_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -103,6 +106,7 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
 
 
 class ContentPart(BaseModel):
@@ -126,6 +130,8 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -205,6 +211,11 @@ def _sampling(body: _Common) -> SamplingParams:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported (use repeat_penalty)", param=name)
+    # fields that would change the answer: refused, not ignored
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if body.best_of not in (None, 1):
+        raise ApiError(400, "only best_of = 1 is supported", param="best_of")
     try:
         return SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p,
                               body.repeat_penalty,
@@ -332,6 +343,8 @@ class Server:
         body: CompletionRequest = _validate(CompletionRequest, await http.body())
         if body.echo:
             raise ApiError(400, "echo is not supported", param="echo")
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -376,6 +389,11 @@ class Server:
 
     async def chat(self, http: Request) -> Any:  # noqa: ANN401
         body: ChatRequest = _validate(ChatRequest, await http.body())
+        if body.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
+                           param="response_format")
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content
@@ -531,6 +549,10 @@ def create_app(server: Server, shutdown_grace_s: float = 10.0) -> FastAPI:
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         return error_response(e)
 
+    @app.exception_handler(TqjaxError)
+    async def bad_input(_: Request, e: TqjaxError) -> JSONResponse:
+        return error_response(ApiError(400, str(e)))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {}
@@ -594,10 +616,16 @@ def create_app(server: Server, shutdown_grace_s: float = 10.0) -> FastAPI:
 
 class _Guard:
     """Body size and API key checks, a plain ASGI middleware (BaseHTTPMiddleware would break
-    request.is_disconnected)."""
+    request.is_disconnected). A body without a Content-Length (chunked) is read here, at most
+    `max_body` bytes of it, and handed on whole."""
 
     def __init__(self, app: Any, server: Server) -> None:  # noqa: ANN401
         self.app, self.server = app, server
+
+    def _authorized(self, value: str | None) -> bool:
+        scheme, _, key = (value or "").partition(" ")  # the scheme is case-insensitive
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(),
+                                                                  self.server.api_key.encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:  # noqa: ANN401
         if scope["type"] == "http":
@@ -605,15 +633,44 @@ class _Guard:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                        for k, v in scope.get("headers", [])}
             size = headers.get("content-length")
+            too_large = ApiError(413, f"request body over {srv.max_body} bytes",
+                                 code="body_too_large")
             err = None
             if size is not None and (not size.isdigit() or int(size) > srv.max_body):
-                err = ApiError(413, f"request body over {srv.max_body} bytes",
-                               code="body_too_large")
+                err = too_large
             elif srv.api_key and scope.get("path") != "/health" and \
-                    headers.get("authorization") != f"Bearer {srv.api_key}":
+                    not self._authorized(headers.get("authorization")):
                 err = ApiError(401, "invalid or missing API key", "authentication_error",
                                code="invalid_api_key")
+            elif size is None and "chunked" in headers.get("transfer-encoding", "").lower():
+                parts, total = [], 0
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client went away
+                    parts.append(message.get("body", b""))
+                    total += len(parts[-1])
+                    if total > srv.max_body:
+                        err = too_large
+                        break
+                    if not message.get("more_body", False):
+                        receive = _replay(b"".join(parts), receive)
+                        break
             if err is not None:
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Any:  # noqa: ANN401
+    """An ASGI receive that gives `body` as one message, then defers to `receive`."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
