@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -135,3 +139,28 @@ def test_files_are_readable_by_others(tmp_path):
     with atomic.atomic_path(tmp_path / "f") as tmp:
         tmp.write_text("x")
     assert (tmp_path / "f").stat().st_mode & 0o777 == 0o644
+
+
+def test_sigterm_removes_the_half_built_folder(tmp_path):
+    """A CLI stopped with SIGTERM (kill, a job scheduler) exits 143 through Python's unwinding,
+    so `replace_dir` removes its temp folder and the previous output stays as it was (the
+    default action killed the process and left `.out.XXXX` behind: 160 MB per quantize)."""
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "old").write_text("previous")
+    script = ("import sys, time\n"
+              "from tqjax.atomic import replace_dir\n"
+              "from tqjax.cli import run_main\n"
+              "def build(tmp):\n"
+              "    (tmp / 'part').write_text('half')\n"
+              "    time.sleep(120)\n"
+              f"run_main(lambda: replace_dir({str(dest)!r}, build))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob(".out.*/part")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 143, proc.stderr.read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (dest / "old").read_text() == "previous"

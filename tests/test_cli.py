@@ -134,6 +134,19 @@ def test_options_refused_before_the_model_is_read(script, args, needle, tmp_path
     assert_user_error(run(script, "--model", "/nonexistent", *args), needle.lower())
 
 
+def test_perplexity_text_must_be_utf8(tmp_path):
+    """A Latin-1 or UTF-16 file was read with replacement characters and scored (a wrong
+    perplexity, exit 0); a directory was "no such text file"."""
+    for name, data in (("latin1.txt", "café au lait ".encode("latin-1") * 200),
+                       ("utf16.txt", "café au lait ".encode("utf-16") * 200)):
+        (tmp_path / name).write_bytes(data)
+        proc = run("perplexity.py", "--model", "/nonexistent", "--text-file",
+                   str(tmp_path / name))
+        assert_user_error(proc, f"{name} is not utf-8 text (byte")
+    assert_user_error(run("perplexity.py", "--model", "/nonexistent", "--text-file",
+                          str(tmp_path)), "is not a file")
+
+
 def test_an_empty_model_name_is_not_the_working_directory(tiny_model):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m", ""],
                           capture_output=True, text=True, cwd=tiny_model, timeout=300,

@@ -219,6 +219,27 @@ def test_options_that_would_do_nothing_or_stop_at_once_are_refused(text_model, k
         tqjax.generate(text_model, "abc", max_new_tokens=2, **kwargs)
 
 
+def test_an_empty_system_message_is_kept(tmp_path):
+    """system="" is an explicit (empty) system message, as HF's template renders it; only
+    None means none (the template's own default, if it has one)."""
+    import shutil
+
+    from tqjax.api import encode_prompt
+
+    d = tmp_path / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(
+        '{"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"}')
+    model = tqjax.load(d)
+    tok = model.tokenizer
+    assert encode_prompt(model, "hi", chat=True, system="") == tok.encode(
+        "<system><user>hi", add_bos=False)
+    assert encode_prompt(model, "hi", chat=True) == tok.encode("<user>hi", add_bos=False)
+    with pytest.raises(TqjaxError, match="system message goes with the chat template"):
+        encode_prompt(model, "hi", system="")
+
+
 def test_the_chat_template_needs_text(text_model):
     with pytest.raises(TqjaxError, match="text prompt"):  # (token ids skipped it silently)
         tqjax.generate(text_model, [1, 2, 3], max_new_tokens=2, chat=True)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import tqjax
 from tqjax import planner
 from tqjax.errors import TqjaxError
 from tqjax.kv.cache import CacheSpec, make_cache
@@ -134,6 +135,10 @@ def test_plan_bad_inputs_are_one_line(tiny, tmp_path):
             planner.plan(tiny, "1GiB", **kwargs)
     with pytest.raises(TqjaxError, match="cannot read memory size"):
         planner.plan(tiny, "8XB")
+    heads = tqjax.load(tiny).config.num_heads  # a device count --tp would refuse
+    with pytest.raises(TqjaxError, match=f"size {heads + 1} does not divide the model's "
+                                         f"{heads} attention heads"):
+        planner.plan(tiny, "1GiB", devices=heads + 1)
     with pytest.raises(TqjaxError, match="no such model"):
         planner.plan(tmp_path / "nope.gguf", "1GiB")
     hf = GOLDEN / "tiny" / "qwen2"

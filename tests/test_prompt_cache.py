@@ -429,3 +429,26 @@ def test_smollm2_turbo4_prompt_cache(tmp_path, real_model):
     np.testing.assert_array_equal(next_logits(restored), want)
     reused = tqjax.generate(smol, prompt, max_new_tokens=new, cache=spec, prompt_cache=path)
     assert reused.cached_tokens == n - 1 and reused.token_ids == plain.token_ids
+
+
+def test_context_shift_keeps_at_most_the_prompt(model):
+    """n_keep past the prompt keeps the prompt (llama.cpp's clamp): it shifts as n_keep = -1
+    does (it never shifted: half of nothing); a prompt that leaves nothing to drop when the
+    context fills is refused before any work."""
+    prompt = np.random.default_rng(3).integers(3, 256, 10).tolist()
+
+    def run(keep, ctx=32):  # -> (ids, shifts) of the last step
+        steps = gen.generate_tokens(model.params, model.config, [prompt], max_new_tokens=40,
+                                    sampling=gen.SamplingParams(), eos_ids=(), ctx_size=ctx,
+                                    context_shift_keep=keep)
+        seqs = [s for s, _, _ in steps][-1]
+        return seqs[0].ids, seqs[0].shifts
+
+    whole, past = run(-1), run(1000)
+    assert whole[1] >= 2 and len(whole[0]) == 40
+    assert past == whole
+    with pytest.raises(TqjaxError, match="keeping 10 of a 10-token prompt leaves nothing to "
+                                         "drop in a context of 12"):
+        run(-1, 12)
+    ids, shifts = run(-1, 13)  # 13 - 1 - 10 = 2 tokens past the prompt: one dropped a shift
+    assert len(ids) == 40 and shifts >= 10

@@ -221,7 +221,7 @@ def check_options(stop: Sequence[str] = (), chat: bool = False, system: str | No
     stop = [stop] if isinstance(stop, str) else list(stop)
     if not all(isinstance(s, str) and s for s in stop):
         raise TqjaxError("stop strings must be non-empty strings (--stop)")
-    if system and not chat:
+    if system is not None and not chat:
         raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
     if n_keep and not context_shift:
         raise TqjaxError("n_keep (--keep) goes with context_shift (--context-shift)")
@@ -240,7 +240,7 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; pass token ids instead of text")
     if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": prompt}]
         text = model.tokenizer.apply_chat_template(messages)
         return model.tokenizer.encode(text, add_bos=False)

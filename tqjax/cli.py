@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,12 +188,16 @@ def check_writable(path: Path, what: str = "--out", folder: bool = False,
 
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a CLI entry point: user errors (see `user_error_text`) print one line to stderr
-    and exit 2."""
+    and exit 2. SIGTERM exits 143 through Python's unwinding (as Ctrl-C does, 130), so a
+    half-written output's temp file or folder is removed, not left beside it."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from tqjax.host import release_large_buffers
 
     release_large_buffers()
     enable_compilation_cache()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         code = main()
     except KeyboardInterrupt:
@@ -202,7 +208,14 @@ def run_main(main: Callable[[], int | None]) -> None:
             raise
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     raise SystemExit(code or 0)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def print_json(obj: dict) -> None:

@@ -57,6 +57,7 @@ from tqjax.models.config import ModelConfig, rope_inv_freq
 from tqjax.models.quantize import LINEARS, METHODS
 from tqjax.quant import ggml
 from tqjax.quant.weights import format_lut, quantize_linear
+from tqjax.sharding import check_tp
 
 WEIGHT_PRESETS = ("f32", "bf16", "int8", "tq4", "mixed-4.25", "gguf")
 KV_PRESETS = ("f32", "bf16", "q8", "turbo4", "turbo4/turbo3", "turbo3")
@@ -329,6 +330,7 @@ def plan(model: str | Path, memory: int | str, *, devices: int = 1, batch: int =
     if not path.exists():
         raise TqjaxError(f"no such model file or directory: {path}")
     config, tensors = _tensor_table(path)
+    check_tp(config, devices)  # what `--tp` would refuse, the plan refuses too
     if context is not None and context > config.max_position:
         raise TqjaxError(f"context {context} exceeds the model's {config.max_position} positions")
     kv_cache = {name: kv_bytes(config, name, devices) for name in kv}

@@ -150,7 +150,11 @@ def logical_sizes(config: ModelConfig) -> dict[str, int]:
 
 def check_mesh(config: ModelConfig, mesh: Mesh) -> None:
     """A tensor size must divide the attention heads (a one-line TqjaxError otherwise)."""
-    tp = axis_size(mesh, TP)
+    check_tp(config, axis_size(mesh, TP))
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """`tp` devices must divide the attention heads (a one-line TqjaxError otherwise)."""
     if config.num_heads % tp:
         ok = [d for d in range(1, config.num_heads + 1) if config.num_heads % d == 0]
         raise TqjaxError(f"tensor parallel size {tp} does not divide the model's "

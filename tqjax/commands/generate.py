@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> object:
                    help="when the context is full, drop half of the tokens after the first "
                         "--keep and go on (dense key caches); default: stop")
     p.add_argument("--keep", type=int, default=0, metavar="N",
-                   help="with --context-shift: tokens kept at the start (-1: the whole prompt)")
+                   help="with --context-shift: tokens kept at the start, at most the prompt "
+                        "(-1: the whole prompt)")
     p.add_argument("--json", action="store_true", help="print one JSON line at the end")
     return p.parse_args(argv)
 

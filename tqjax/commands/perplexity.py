@@ -59,8 +59,13 @@ def run(argv: list[str] | None = None) -> int:
         raise TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     if args.text_file is not None:
         if not args.text_file.is_file():
-            raise TqjaxError(f"no such text file: {args.text_file}")
-        text = args.text_file.read_text(encoding="utf-8", errors="replace")
+            raise TqjaxError(f"{args.text_file} is not a file" if args.text_file.exists()
+                             else f"no such text file: {args.text_file}")
+        try:
+            text = args.text_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:  # scoring replacement characters would be a wrong PPL
+            raise TqjaxError(f"{args.text_file} is not UTF-8 text (byte {e.start}: "
+                             f"{e.reason})") from None
         source = str(args.text_file)
     else:
         text, source = corpus_text(args.corpus), args.corpus
