@@ -297,7 +297,7 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     if context_shift_keep is not None:  # refuse before any work, not when the context fills
         check_shiftable(new_cache(params, config, cache_spec, 1, 1, calibration))
         for p in prompts:  # a full row holds ctx_size - 1 tokens; a shift drops half the rest
-            keep = len(p) if context_shift_keep < 0 else min(context_shift_keep, len(p))
+            keep = _kept(context_shift_keep, len(p))
             if len(p) + max_new_tokens > ctx_size and (ctx_size - 1 - keep) // 2 < 1:
                 raise TqjaxError(f"context shift: keeping {keep} of a {len(p)}-token prompt "
                                  f"leaves nothing to drop in a context of {ctx_size}; lower "
@@ -361,12 +361,17 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     return CacheState(cache, live)
 
 
+def _kept(keep: int, prompt_len: int) -> int:
+    """Tokens a context shift keeps for n_keep = `keep`: -1 or more than the prompt, the
+    prompt (llama.cpp's clamp)."""
+    return prompt_len if keep < 0 else min(keep, prompt_len)
+
+
 def _shift_or_stop(s: _Sequence, b: int, cache: KVCache, live: list[list[int]],
                    positions: np.ndarray, keep: int | None, inv_freq: jax.Array) -> KVCache:
     """Row b's context is full: shift it (keep tokens, drop half the rest) or end it."""
     n_past = len(live[b])
-    if keep is not None:  # -1: the whole prompt; more than the prompt: the prompt (llama.cpp)
-        keep = s.prompt_len if keep < 0 else min(keep, s.prompt_len)
+    keep = None if keep is None else _kept(keep, s.prompt_len)
     discard = 0 if keep is None else (n_past - min(keep, n_past)) // 2
     if discard < 1:
         s.done = "length"

@@ -11,8 +11,10 @@ GET /metrics, POST /tokenize, POST /detokenize, POST /slots/{id}?action=save|res
 (llama-server's; files inside --slot-save-path via `tqjax.decode.prompt_cache`).
 
 Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}}: 400 bad
-request (malformed JSON, bad parameters, prompt longer than the context), 401 missing or wrong
-API key, 404, 409 slot busy, 413 body too large, 429 waiting queue full, 500 an internal error
+request (malformed JSON, bad parameters, text that is not Unicode, prompt longer than the
+context, a field that would change the answer and is not implemented: logit_bias, best_of,
+suffix, tools, ...), 401 missing or wrong API key, 404, 409 slot busy, 413 body too large
+(chunked or not), 429 waiting queue full, 500 an internal error
 in one request (the others go on), 501 slot files not enabled, 503 shutting down.
 """
 
