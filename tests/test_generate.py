@@ -253,3 +253,58 @@ def test_a_stop_string_given_alone_is_one_string(text_model):
     cut = tqjax.generate(text_model, "hello", max_new_tokens=24, stop=stop)
     assert cut.finish_reason == "stop" and cut.text == text[:at]
     assert min(text.find(c) for c in stop) < at  # (so a per-character stop would cut sooner)
+
+
+@pytest.mark.parametrize("ids", [[1.7, 2.0], [True, False], b"Hello", "hello", None,
+                                 [[3, 4]], ["a", 1], [1, None]])
+def test_token_ids_that_are_not_integers_are_refused(text_model, ids):
+    """Floats were truncated, bytes read as ids, bools and nested lists failed deep in numpy:
+    each API that takes ids says so in one line."""
+    from tqjax.eval import perplexity
+
+    with pytest.raises(TqjaxError, match="token ids must be"):
+        tqjax.logits(text_model, ids)
+    if not isinstance(ids, str):  # (text is a prompt to generate)
+        with pytest.raises(TqjaxError, match="token ids must be"):
+            tqjax.generate(text_model, ids, max_new_tokens=2)
+    with pytest.raises(TqjaxError, match="token ids must be"):
+        perplexity(text_model, ids, 2)
+
+
+def test_perplexity_refuses_ids_outside_the_vocabulary(text_model):
+    """An id past the vocabulary gave PPL nan, a negative one a huge PPL, 2^40 an
+    OverflowError."""
+    from tqjax.eval import perplexity
+
+    vocab = text_model.config.vocab_size
+    for bad in (vocab + 5, -3, 2**40):
+        with pytest.raises(TqjaxError, match=f"token id {bad} out of range"):
+            perplexity(text_model, [5, 6, bad, 7], 2)
+    good = perplexity(text_model, np.arange(3, 11), 4)
+    assert good.tokens == 6 and np.isfinite(good.ppl)
+
+
+def test_cache_given_as_text_and_options_of_the_wrong_type(text_model):
+    ids = [5, 9, 13, 2]
+    np.testing.assert_array_equal(tqjax.logits(text_model, ids, cache="q8/turbo3"),
+                                  tqjax.logits(text_model, ids, cache=tqjax.CacheSpec("q8",
+                                                                                      "turbo3")))
+    for bad, needle in ((5, "cache must be a CacheSpec"), ("turbo9", "unknown cache type")):
+        with pytest.raises(TqjaxError, match=needle):
+            tqjax.generate(text_model, "ab", max_new_tokens=2, cache=bad)
+    with pytest.raises(TqjaxError, match="max new tokens must be an integer"):
+        tqjax.generate(text_model, "ab", max_new_tokens=2.5)
+    with pytest.raises(TqjaxError, match="context size must be an integer"):
+        tqjax.generate(text_model, "ab", max_new_tokens=2, ctx_size="16")
+
+
+def test_a_session_keeps_its_cache_when_a_call_is_refused(text_model):
+    s = tqjax.Session(text_model, cache="f32")
+    first = s.generate("abcdef", max_new_tokens=3)
+    held = list(s.tokens)
+    for kwargs in (dict(max_new_tokens=2.5), dict(stop=3), dict(max_new_tokens=0)):
+        with pytest.raises(TqjaxError):
+            s.generate("abcdefgh", **kwargs)
+        assert s.tokens == held
+    again = s.generate("abcdef", max_new_tokens=3)
+    assert again.text == first.text and again.cached_tokens == 5

@@ -23,6 +23,7 @@ from tqjax.decode.generate import (
     new_cache,
     padded_length,
 )
+from tqjax.decode.generate import token_ids as check_ids
 from tqjax.decode.prompt_cache import (
     CacheMeta,
     cache_meta,
@@ -33,7 +34,13 @@ from tqjax.decode.prompt_cache import (
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError
 from tqjax.host import drop_programs
-from tqjax.kv.cache import CacheSpec, Calibration, bytes_per_token, constant_bytes
+from tqjax.kv.cache import (
+    CacheSpec,
+    Calibration,
+    as_cache_spec,
+    bytes_per_token,
+    constant_bytes,
+)
 from tqjax.models.calibration import calibration_corpus, calibration_windows
 from tqjax.models.checkpoint import is_quantized_checkpoint
 from tqjax.models.config import ModelConfig
@@ -176,15 +183,15 @@ def load(path_or_name: str | Path = fetch.DEFAULT_MODEL, dtype: str = "float32",
     return Model(config, params, tokenizer, str(path), dtype)
 
 
-def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec = CacheSpec()) -> np.ndarray:
+def logits(model: Model, token_ids: Sequence[int], cache: CacheSpec | str = CacheSpec()
+           ) -> np.ndarray:
     """Full-sequence logits, float32 [len(token_ids), vocab] (one causal pass, no sampling)."""
+    token_ids, cache = check_ids(token_ids, model.config.vocab_size), as_cache_spec(cache)
     n = len(token_ids)
     if n == 0:
         raise TqjaxError("empty token sequence")
     if n > model.config.max_position:
         raise TqjaxError(f"{n} tokens exceed the model's context of {model.config.max_position}")
-    if max(token_ids) >= model.config.vocab_size or min(token_ids) < 0:
-        raise TqjaxError(f"token id out of range [0, {model.config.vocab_size})")
     size = padded_length(n)
     tokens = np.zeros((1, size), np.int32)
     tokens[0, :n] = token_ids
@@ -218,7 +225,10 @@ def check_options(stop: Sequence[str] = (), chat: bool = False, system: str | No
     checked: a TqjaxError for those that would stop at once (an empty stop string) or do
     nothing (a system message without chat, n_keep without context_shift). Callable before a
     model is loaded (the CLI does)."""
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    try:
+        stop = [stop] if isinstance(stop, str) else list(stop)
+    except TypeError:
+        raise TqjaxError(f"stop must be a string or strings, got {stop!r}") from None
     if not all(isinstance(s, str) and s for s in stop):
         raise TqjaxError("stop strings must be non-empty strings (--stop)")
     if system is not None and not chat:
@@ -236,7 +246,7 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
     if not isinstance(prompt, str):
         if chat:
             raise TqjaxError("the chat template needs a text prompt, not token ids")
-        return list(prompt)
+        return check_ids(prompt, model.config.vocab_size).tolist()
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; pass token ids instead of text")
     if chat:
@@ -320,6 +330,8 @@ def _context(model: Model, ctx_size: int | None) -> int:
     """The context in tokens: `ctx_size`, or the model's for None or 0; outside [2, the
     model's] a TqjaxError (not clamped: the caller asked for another size)."""
     limit = model.config.max_position
+    if ctx_size is not None and (not isinstance(ctx_size, int) or isinstance(ctx_size, bool)):
+        raise TqjaxError(f"context size must be an integer, got {ctx_size!r}")
     if ctx_size and not 2 <= ctx_size <= limit:
         raise TqjaxError(f"context size {ctx_size} is outside [2, {limit}] (the model's context)")
     return ctx_size or limit
@@ -329,7 +341,7 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
              stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
-             ctx_size: int | None = None, cache: CacheSpec = CacheSpec(),
+             ctx_size: int | None = None, cache: CacheSpec | str = CacheSpec(),
              on_text: Callable[[str], None] | None = None, context_shift: bool = False,
              n_keep: int = 0, prompt_cache: str | Path | None = None,
              prompt_cache_ro: bool = False) -> GenerationResult | list[GenerationResult]:
@@ -350,6 +362,7 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     TqjaxError. For repeated calls in one process, `Session` keeps the cache in memory.
     """
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    cache = as_cache_spec(cache)
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
     batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
@@ -396,11 +409,11 @@ class Session:
         b = s.generate(system_prompt + question_2)   # prefills only question_2
     """
 
-    def __init__(self, model: Model, cache: CacheSpec = CacheSpec(),
+    def __init__(self, model: Model, cache: CacheSpec | str = CacheSpec(),
                  ctx_size: int | None = None) -> None:
         if model.tokenizer is None:
             raise TqjaxError(f"{model.source} has no tokenizer; a session generates text")
-        self.model, self.spec, self.ctx = model, cache, _context(model, ctx_size)
+        self.model, self.spec, self.ctx = model, as_cache_spec(cache), _context(model, ctx_size)
         self._kv: object | None = None
         self.tokens: list[int] = []  # the token ids held by the cache, slot by slot
 
@@ -425,9 +438,9 @@ class Session:
             results, state = _run(self.model, [ids], sampling, max_new_tokens=max_new_tokens,
                                   stop=stop, ctx=self.ctx, cache=self.spec, on_text=on_text,
                                   start=start, context_shift=context_shift, n_keep=n_keep)
-        except TqjaxError:
+        except BaseException:  # (a refusal, or a caller's on_text that raised)
             if kv is not None and not any(x.is_deleted() for x in jax.tree_util.tree_leaves(kv)):
-                self._kv, self.tokens = kv, tokens  # refused before it was used: still valid
+                self._kv, self.tokens = kv, tokens  # not yet used: still valid
             raise
         self._kv, self.tokens = state.cache, state.tokens[0]
         return results[0]

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tqjax.api import Model
-from tqjax.decode.generate import new_cache
+from tqjax.decode.generate import new_cache, token_ids
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import CacheSpec, KVCache
+from tqjax.kv.cache import CacheSpec, KVCache, as_cache_spec
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import Params, forward
 
@@ -76,7 +76,7 @@ def sweep(ids: list[int] | np.ndarray, ctx: int, runs: dict[str, Run],
     agreement and the paired NLL difference with its standard error; the reference's log-probs
     are computed once per window.
     """
-    ids = np.asarray(ids, np.int32)
+    ids = token_ids(ids, min(m.config.vocab_size for m, _ in runs.values())).astype(np.int32)
     windows = min(_check_windows(m, len(ids), ctx) for m, _ in runs.values())
     order = sorted(runs, key=lambda name: name != reference)  # reference first
     nll = dict.fromkeys(runs, 0.0)
@@ -119,15 +119,15 @@ def dppl_text(row: dict) -> str:
 
 
 def perplexity(model: Model, ids: list[int] | np.ndarray, ctx: int,
-               cache: CacheSpec = CacheSpec(), reference: CacheSpec | None = None,
+               cache: CacheSpec | str = CacheSpec(), reference: CacheSpec | str | None = None,
                reference_model: Model | None = None) -> PerplexityResult:
     """Perplexity of `ids` in independent windows of `ctx` tokens (a partial tail is dropped).
 
     With `reference` (a cache spec) and/or `reference_model` (e.g. unquantized weights), also
     report KL divergence and top-1 agreement of next-token distributions against it.
     """
-    runs: dict[str, Run] = {"run": (model, cache)}
+    runs: dict[str, Run] = {"run": (model, as_cache_spec(cache))}
     if reference is not None or reference_model is not None:
-        runs["reference"] = (reference_model or model, reference or CacheSpec())
+        runs["reference"] = (reference_model or model, as_cache_spec(reference or CacheSpec()))
         return sweep(ids, ctx, runs, reference="reference")["run"]
     return sweep(ids, ctx, runs)["run"]

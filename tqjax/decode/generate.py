@@ -279,13 +279,10 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise TqjaxError("empty prompt")
-    if max_new_tokens < 1:
-        raise TqjaxError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise TqjaxError(f"max new tokens must be an integer >= 1, got {max_new_tokens!r}")
     batch = len(prompts)
-    for p in prompts:
-        if min(p) < 0 or max(p) >= config.vocab_size:
-            bad = next(t for t in p if not 0 <= t < config.vocab_size)
-            raise TqjaxError(f"token id {bad} out of range [0, {config.vocab_size})")
+    prompts = [token_ids(p, config.vocab_size).tolist() for p in prompts]
     longest = max(len(p) for p in prompts)
     if longest >= ctx_size:
         raise TqjaxError(f"prompt is {longest} tokens, longer than the context size {ctx_size}")
@@ -359,6 +356,29 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
         if step == 0:
             t1 = time.perf_counter()
     return CacheState(cache, live)
+
+
+def token_ids(ids: object, vocab_size: int) -> np.ndarray:
+    """Token ids as int64 [N], checked: a 1-D sequence of integers (list, tuple, numpy array),
+    each in [0, vocab_size); anything else (text, bytes, floats, bools, nested, None) is a
+    TqjaxError, not an id taken by truncation or a numpy error from deep inside."""
+    if ids is None or isinstance(ids, (str, bytes, bytearray)):
+        raise TqjaxError(f"token ids must be a sequence of integers, got "
+                         f"{type(ids).__name__}")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TqjaxError("token ids must be a 1-D sequence of integers")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = next(int(t) for t in arr if not 0 <= t < vocab_size)
+        raise TqjaxError(f"token id {bad} out of range [0, {vocab_size})")
+    return arr.astype(np.int64)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _kept(keep: int, prompt_len: int) -> int:

@@ -635,3 +635,14 @@ def parse_kv(text: str) -> tuple[str, str]:
         raise TqjaxError(f"bad cache types {text!r}: expected K or K/V, e.g. turbo4/turbo3")
     check_spec(CacheSpec(k, v))
     return k, v
+
+
+def as_cache_spec(cache: CacheSpec | str) -> CacheSpec:
+    """A CacheSpec as it is, or a "K[/V]" string (e.g. "turbo4/turbo3") read by `parse_kv`;
+    anything else a TqjaxError."""
+    if isinstance(cache, str):
+        return CacheSpec(*parse_kv(cache))
+    if not isinstance(cache, CacheSpec):
+        raise TqjaxError(f"cache must be a CacheSpec or a 'K[/V]' string, got "
+                         f"{type(cache).__name__}")
+    return cache
