@@ -296,6 +296,9 @@ def test_cache_given_as_text_and_options_of_the_wrong_type(text_model):
         tqjax.generate(text_model, "ab", max_new_tokens=2.5)
     with pytest.raises(TqjaxError, match="context size must be an integer"):
         tqjax.generate(text_model, "ab", max_new_tokens=2, ctx_size="16")
+    # numpy integers are integers, as max_new_tokens already took them
+    assert len(tqjax.generate(text_model, "ab", max_new_tokens=np.int64(2),
+                              ctx_size=np.int64(16)).token_ids) <= 2
 
 
 def test_a_session_keeps_its_cache_when_a_call_is_refused(text_model):

@@ -20,6 +20,7 @@ from tqjax.decode.generate import (
     GenerationResult,
     full_logits,
     generate_tokens,
+    is_int,
     new_cache,
     padded_length,
 )
@@ -330,7 +331,7 @@ def _context(model: Model, ctx_size: int | None) -> int:
     """The context in tokens: `ctx_size`, or the model's for None or 0; outside [2, the
     model's] a TqjaxError (not clamped: the caller asked for another size)."""
     limit = model.config.max_position
-    if ctx_size is not None and (not isinstance(ctx_size, int) or isinstance(ctx_size, bool)):
+    if ctx_size is not None and not is_int(ctx_size):
         raise TqjaxError(f"context size must be an integer, got {ctx_size!r}")
     if ctx_size and not 2 <= ctx_size <= limit:
         raise TqjaxError(f"context size {ctx_size} is outside [2, {limit}] (the model's context)")

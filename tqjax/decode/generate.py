@@ -279,7 +279,7 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise TqjaxError("empty prompt")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise TqjaxError(f"max new tokens must be an integer >= 1, got {max_new_tokens!r}")
     batch = len(prompts)
     prompts = [token_ids(p, config.vocab_size).tolist() for p in prompts]
@@ -377,7 +377,8 @@ def token_ids(ids: object, vocab_size: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """Whether x is an integer (Python's or numpy's), not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 

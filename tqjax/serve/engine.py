@@ -40,7 +40,13 @@ import numpy as np
 
 from tqjax.api import Model
 from tqjax.decode import prompt_cache
-from tqjax.decode.generate import PREFILL_CHUNK, decode_step, new_cache, padded_length
+from tqjax.decode.generate import (
+    PREFILL_CHUNK,
+    decode_step,
+    new_cache,
+    padded_length,
+    token_ids,
+)
 from tqjax.decode.sampling import (
     RowSampling,
     SamplingParams,
@@ -224,8 +230,7 @@ class Engine:
         if len(req.prompt) >= self.ctx_size:
             raise TqjaxError(f"prompt is {len(req.prompt)} tokens, the context size is "
                              f"{self.ctx_size}")
-        if max(req.prompt) >= self.model.config.vocab_size or min(req.prompt) < 0:
-            raise TqjaxError(f"token id out of range [0, {self.model.config.vocab_size})")
+        token_ids(req.prompt, self.model.config.vocab_size)  # the one check of ids
         with self.cond:
             if not self.accepting:
                 raise TqjaxError("the server is shutting down")
