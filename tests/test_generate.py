@@ -70,7 +70,10 @@ def test_sampling_rules():
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.01),
                                     dict(min_p=1.0), dict(top_k=-1), dict(repeat_penalty=0.0),
                                     dict(temperature=float("nan")), dict(temperature=float("inf")),
-                                    dict(repeat_penalty=float("inf"))])
+                                    dict(repeat_penalty=float("inf")),
+                                    # of the wrong type: refused, not truncated (int(2.7) = 2)
+                                    dict(top_k=2.7), dict(seed=1.5), dict(top_k=True),
+                                    dict(seed="3"), dict(temperature="0.5"), dict(top_p=None)])
 def test_invalid_sampling_values(kwargs):
     with pytest.raises(TqjaxError):
         SamplingParams(**kwargs)
@@ -93,6 +96,12 @@ def test_streaming_pieces_add_up_and_stop_strings_cut(text_model):
 
 
 def test_batch_generate_returns_one_result_per_prompt(text_model):
+    with pytest.raises(TqjaxError, match="on_text"):  # it was ignored: no text came to it
+        tqjax.generate(text_model, ["a", "b"], max_new_tokens=4, on_text=print)
+    np_settings = tqjax.generate(text_model, "a", max_new_tokens=4, temperature=np.float32(0.7),
+                                 top_k=np.int64(5), seed=np.int32(2))  # numpy numbers accepted
+    assert np_settings.token_ids == tqjax.generate(text_model, "a", max_new_tokens=4,
+                                                   temperature=0.7, top_k=5, seed=2).token_ids
     out = tqjax.generate(text_model, ["a", "longer prompt"], max_new_tokens=4)
     single = tqjax.generate(text_model, "longer prompt", max_new_tokens=4)
     assert len(out) == 2 and out[1].token_ids == single.token_ids

@@ -20,7 +20,6 @@ from tqjax.decode.generate import (
     GenerationResult,
     full_logits,
     generate_tokens,
-    is_int,
     new_cache,
     padded_length,
 )
@@ -33,7 +32,7 @@ from tqjax.decode.prompt_cache import (
     saved_length,
 )
 from tqjax.decode.sampling import SamplingParams
-from tqjax.errors import TqjaxError
+from tqjax.errors import TqjaxError, is_int
 from tqjax.host import drop_programs
 from tqjax.kv.cache import (
     CacheSpec,
@@ -348,7 +347,8 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
              prompt_cache_ro: bool = False) -> GenerationResult | list[GenerationResult]:
     """Generate a continuation; a list of strings is run as one batch (one result each).
 
-    Greedy when temperature is 0. `on_text` receives streamed text pieces (single prompt).
+    Greedy when temperature is 0. `on_text` receives streamed text pieces (a single prompt
+    only: with a batch it is a TqjaxError).
     `stop`: strings that end the text (a lone string is one; an empty one is a TqjaxError).
     `chat` applies the chat template, with `system` as its system message (a TqjaxError
     without `chat`). `ctx_size`: the context, the model's by default; outside [2, the
@@ -367,11 +367,13 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
     batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
+    if batched and on_text is not None:
+        raise TqjaxError("on_text streams one prompt's text; a batch returns its results")
     prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]
     if prompt_cache is None:
         results, _ = _run(model, prompts, sampling, max_new_tokens=max_new_tokens, stop=stop,
                           ctx=_context(model, ctx_size), cache=cache,
-                          on_text=None if batched else on_text,
+                          on_text=on_text,
                           context_shift=context_shift, n_keep=n_keep)
         return results if batched else results[0]
     if batched:

@@ -25,7 +25,7 @@ from tqjax.decode.sampling import (
     sample_rows,
     token_logprobs,
 )
-from tqjax.errors import TqjaxError
+from tqjax.errors import TqjaxError, is_int
 from tqjax.kv.cache import CacheSpec, Calibration, KVCache, LayerCache, group_size, make_cache
 from tqjax.kv.rope import apply_rope, rope_cos_sin
 from tqjax.models.config import ModelConfig
@@ -375,11 +375,6 @@ def token_ids(ids: object, vocab_size: int) -> np.ndarray:
         bad = next(int(t) for t in arr if not 0 <= t < vocab_size)
         raise TqjaxError(f"token id {bad} out of range [0, {vocab_size})")
     return arr.astype(np.int64)
-
-
-def is_int(x: object) -> bool:
-    """Whether x is an integer (Python's or numpy's), not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _kept(keep: int, prompt_len: int) -> int:

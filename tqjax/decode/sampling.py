@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tqjax.errors import TqjaxError
+from tqjax.errors import TqjaxError, is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,14 @@ class SamplingParams:
     seed: int = 0  # any integer: the PRNG key depends on its low 32 bits (`request_key`)
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            if not is_real(getattr(self, name)):
+                raise TqjaxError(f"{name.replace('_', '-')} must be a number, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("top_k", "seed"):
+            if not is_int(getattr(self, name)):
+                raise TqjaxError(f"{name.replace('_', '-')} must be an integer, got "
+                                 f"{getattr(self, name)!r}")
         # kept as the draws already take them, so no size of int fails downstream: a seed
         # mod 2^32 (jax's key for seed s is that of s mod 2^32), a top-k of at most 2^31 - 1
         # (int32; any k >= the vocabulary keeps every token)
