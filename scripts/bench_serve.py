@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -53,8 +54,11 @@ def prompts(count: int, words: int, seed: int) -> list[str]:
     import numpy as np
 
     from tqjax.data import calibration_part
+    from tqjax.errors import TqjaxError
 
     text = calibration_part("prose").split()
+    if words >= len(text):
+        raise TqjaxError(f"--prompt-words must be < {len(text)} (the built-in prose's words)")
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(text) - words, count)
     return [" ".join(text[s:s + words]) for s in starts]
@@ -64,8 +68,8 @@ def summary(xs: list[float]) -> dict[str, float]:
     """mean, p50 and p99 in milliseconds of values in seconds."""
     import numpy as np
 
-    if not xs:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    if not xs:  # (null in the JSON: NaN is not JSON)
+        return {"mean": None, "p50": None, "p99": None}
     a = 1000 * np.asarray(xs)
     return {"mean": round(float(a.mean()), 2), "p50": round(float(np.percentile(a, 50)), 2),
             "p99": round(float(np.percentile(a, 99)), 2)}
@@ -83,7 +87,14 @@ async def one(client: object, url: str, body: dict, headers: dict) -> dict:
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                obj = json.loads(line[6:])
+                try:
+                    obj = json.loads(line[6:])
+                except ValueError:
+                    err = f"not a JSON event: {line[:100]!r}"
+                    break
+                if not isinstance(obj, dict):
+                    err = f"not a JSON object event: {line[:100]!r}"
+                    break
                 if "error" in obj:
                     err = obj["error"].get("message")
                     break
@@ -192,8 +203,11 @@ def main() -> int:
     from tqjax.atomic import write_json
     from tqjax.errors import TqjaxError
 
-    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.rate < 0:
-        raise TqjaxError("--clients, --requests and --max-tokens must be >= 1, --rate >= 0")
+    if min(args.clients, args.requests, args.max_tokens, args.prompt_words) < 1 or not (
+            0 <= args.rate < math.inf):
+        raise TqjaxError("--clients, --requests, --max-tokens and --prompt-words must be >= 1, "
+                         "--rate finite and >= 0")
+    prompts(args.requests, args.prompt_words, args.seed)  # (checks --prompt-words, before a load)
     proc = None
     url = args.url.rstrip("/") if args.url else None
     if url is None:
@@ -204,10 +218,11 @@ def main() -> int:
         try:
             result = asyncio.run(run(args, url))
             models = httpx.get(url + "/v1/models", timeout=10)  # the server's own identity
-            served = models.json() if models.status_code == 200 else None
         except httpx.HTTPError as e:
             raise TqjaxError(f"cannot reach {url}: {e}") from None
-        except ValueError:
+        try:
+            served = models.json() if models.status_code == 200 else None
+        except ValueError:  # (not JSON)
             served = None
     finally:
         if proc is not None:
@@ -224,6 +239,10 @@ def main() -> int:
     print_json(result)
     if args.out:
         write_json(args.out, result)
+    if not result["completed"]:
+        print(f"error: no request completed ({'; '.join(result['errors']) or 'no text came back'})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

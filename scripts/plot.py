@@ -15,12 +15,14 @@ Every figure names the commits (and JAX version and CPU) its data came from.
 
 from __future__ import annotations
 
-import json
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
+from tqjax.atomic import read_json
 from tqjax.cli import ArgumentParser, check_writable, print_json, run_main
+from tqjax.errors import TqjaxError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH = ROOT / "results" / "current" / "bench"
@@ -35,8 +37,8 @@ def load_bench(folder: Path) -> list[dict]:
     for path in sorted(folder.rglob("*.json")):
         if path.name.endswith(".failed.json"):
             continue
-        data = json.loads(path.read_text())
-        if data.get("schema", "").startswith("tqjax-bench/"):
+        data = read_json(path, dict)
+        if str(data.get("schema", "")).startswith("tqjax-bench/"):
             runs.append(data | {"file": path})
     return runs
 
@@ -177,7 +179,10 @@ def dppl_figure(files: list[Path], out: Path, note: str) -> Path | None:
 
     rows = []
     for f in files:
-        rows += [r | {"file": f.name} for r in json.loads(f.read_text())["rows"]
+        table = read_json(f, dict)
+        if not isinstance(table.get("rows"), list):
+            raise TqjaxError(f"{f} has no \"rows\" list (not a weights_table.py JSON)")
+        rows += [r | {"file": f.name} for r in table["rows"]
                  if r.get("kv") == "f32/f32" and r.get("run") != "f32" and r.get("bpw")
                  and r.get("dppl_pct") != 0.0]  # exactly 0: not a measurement (a placeholder)
     if not rows:
@@ -243,8 +248,6 @@ def main() -> int:
 
     import matplotlib
 
-    from tqjax.errors import TqjaxError
-
     matplotlib.use("Agg")
     bench = Path(args.bench)
     if not bench.is_dir():
@@ -255,6 +258,9 @@ def main() -> int:
         raise TqjaxError(f"no such weights JSON: {missing[0]}")
     out = check_writable(Path(args.out), folder=True)
     runs = load_bench(bench)
+    if not runs:
+        print(f"note: no bench JSONs under {bench}: only the ΔPPL figure is drawn",
+              file=sys.stderr)
     made = [context_figure(runs, "decode", out / "bench_decode_vs_context.png", args.note),
             context_figure(runs, "rss", out / "bench_rss_vs_context.png", args.note),
             weights_figure(runs, out / "bench_weights.png", args.note),

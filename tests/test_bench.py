@@ -99,7 +99,9 @@ def test_bench_slots(tiny_model):
     (("--slots", 10), "--slots 10 is too few"),
     (("--context", 4), "shorter than --prompt-tokens"),
     (("--peers", "hf,vllm"), "unknown peer 'vllm'"),
-    (("--bandwidth", 0), "--bandwidth must be > 0"),
+    (("--bandwidth", 0), "--bandwidth: must be a finite number > 0"),
+    (("--bandwidth", "inf"), "--bandwidth: must be a finite number > 0"),  # (a ZeroDivisionError
+    (("--bandwidth", "nan"), "--bandwidth: must be a finite number > 0"),  # / NaN in the JSON)
     (("--repeats", 0), "must be >= 1"),
     (("--context", 300), "exceeds the model's 256 positions"),
 ])
@@ -151,6 +153,12 @@ def test_llamacpp_peer_runs_llama_bench_when_the_package_is_missing(tmp_path, mo
     fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
     assert bench["run_peer"]("llamacpp", "m.gguf", 8, 8, 4, 2) == {
         "error": "error: failed to load model"}
+    # output that is not llama-bench's JSON rows: an error for the peer, not an exception
+    # that loses the whole run's measurement
+    for out in ("not json", json.dumps(rows[:1]), json.dumps({"a": 1}), "[1]"):
+        fake.write_text(f"#!/bin/sh\ncat <<'J'\n{out}\nJ\n")
+        got = bench["run_peer"]("llamacpp", "m.gguf", 8, 8, 4, 2)
+        assert set(got) == {"error"} and "not the JSON expected" in got["error"], (out, got)
 
 
 def test_sweep_plan_and_skip(tmp_path):
@@ -187,6 +195,13 @@ def test_sweep_bad_flags_and_overrides(tmp_path):
     assert_user_error(run("bench_sweep.py", "--preset", "context,nope", "--dry-run"),
                       "unknown preset 'nope'")
     assert_user_error(run("bench_sweep.py", "--repeats", "0", "--dry-run"), "must be >= 1")
+    for flag, value in (("--timeout", "-5"), ("--timeout", "0"), ("--bandwidth", "inf")):
+        assert_user_error(run("bench_sweep.py", flag, value, "--dry-run"),
+                          f"{flag}: must be a finite number > 0")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")  # refused before the bandwidth is measured and the first run made
+    assert_user_error(run("bench_sweep.py", "--preset", "slots", "--out", a_file),
+                      f"cannot write --out {a_file}")
     proc = run("bench_sweep.py", "--preset", "slots", "--decode-tokens", 16, "--repeats", 2,
                "--out", tmp_path, "--dry-run")
     lines = proc.stdout.strip().splitlines()
@@ -220,6 +235,17 @@ def test_plot(bench_json, tmp_path):
     for name in names:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_user_error(run("plot.py", "--bench", tmp_path / "nowhere"), "no bench folder")
+    # a truncated or foreign JSON is one line naming the file (it was a traceback)
+    weights.write_text('{"rows": 5')
+    assert_user_error(run("plot.py", "--bench", tmp_path / "bench", "--weights-json", weights,
+                          "--out", out), f"cannot read {weights} (corrupt?)")
+    weights.write_text('{"foo": 1}')
+    assert_user_error(run("plot.py", "--bench", tmp_path / "bench", "--weights-json", weights,
+                          "--out", out), 'has no "rows" list')
+    for bad, needle in (('{"schema": "tqjax-be', "(corrupt?)"), ("[1, 2]", "expected a json dict")):
+        (bench / "bad.json").write_text(bad)
+        assert_user_error(run("plot.py", "--bench", tmp_path / "bench", "--weights-json",
+                              "--out", out), needle)
 
 
 def test_plot_defaults_draw_the_committed_results(tmp_path):
@@ -234,3 +260,49 @@ def test_plot_defaults_draw_the_committed_results(tmp_path):
     written = {p.split("/")[-1] for p in report["written"]}
     assert ("weights_dppl_vs_bits.png" in written) == bool(tables)
     assert "bench_decode_vs_context.png" in written
+
+
+def test_bench_serve_reports_a_server_that_completes_nothing(tmp_path):
+    """A server whose stream is not JSON events: the run's JSON is strict JSON (null, not NaN,
+    for the empty latency summaries), names the error, and the exit status is 1 (it was 0, or
+    an UnboundLocalError traceback when a ValueError came out of the run)."""
+    import http.server
+    import threading
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = b"data: {not json\n\ndata: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        proc = run("bench_serve.py", "--url", url, "--requests", 2, "--clients", 1, "--rate", 0,
+                   "--out", tmp_path / "s.json")
+    finally:
+        server.shutdown()
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "no request completed" in proc.stderr
+
+    def no_nan(name: str) -> None:
+        raise AssertionError(f"{name} in the JSON")
+
+    got = json.loads((tmp_path / "s.json").read_text(), parse_constant=no_nan)
+    assert (got["completed"], got["failed"]) == (0, 2)
+    assert got["ttft_ms"] == {"mean": None, "p50": None, "p99": None}
+    assert got["errors"] == ["not a JSON event: 'data: {not json'"]
+    assert_user_error(run("bench_serve.py", "--url", url, "--prompt-words", 10**6),
+                      "--prompt-words must be <")

@@ -1,5 +1,5 @@
 """Atomic file writes: write next to the target, fsync, then rename over it, so a crash never
-leaves a partial file (or folder) behind."""
+leaves a partial file (or folder) behind; and the one checked read of a JSON file."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from tqjax.errors import TqjaxError
 
 
 def fsync_dir(path: Path) -> None:
@@ -163,3 +165,17 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     fsync_dir(dest.parent)
     shutil.rmtree(old, ignore_errors=True)
     fsync_dir(dest.parent)
+
+
+def read_json(path: str | Path, kind: type | None = None) -> Any:  # noqa: ANN401
+    """The JSON in `path`; a missing, unreadable or corrupt file (or, with `kind`, one whose
+    top level is not a `kind`, e.g. dict) is a TqjaxError with one line."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TqjaxError(f"cannot read {path} (corrupt?): {getattr(e, 'strerror', None) or e}"
+                         ) from None
+    if kind is not None and not isinstance(data, kind):
+        raise TqjaxError(f"cannot read {path}: expected a JSON {kind.__name__}, "
+                         f"found a {type(data).__name__}")
+    return data

@@ -26,6 +26,19 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a bandwidth, a timeout); inf and nan are refused."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
     from tqjax.kv.cache import STORE_FACTORIES

@@ -48,6 +48,7 @@ from tqjax.cli import (
     cache_spec,
     check_writable,
     model_mesh,
+    positive_float,
     print_json,
     run_main,
 )
@@ -382,9 +383,14 @@ def peer_llama_bench(binary: str, model_path: str, prompt_tokens: int, decode_to
         out, err = out_f.read(), err_f.read()
     if code:
         return {"error": last_line(err) or f"llama-bench exit status {code}"}
-    rows = json.loads(out)
-    pp = next(r for r in rows if r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_prompt"] == 0)
+    try:
+        rows = json.loads(out)
+        pp = next(r for r in rows if r["n_gen"] == 0)
+        tg = next(r for r in rows if r["n_prompt"] == 0)
+        float(tg["avg_ts"]), float(pp["avg_ts"])
+    except (ValueError, TypeError, KeyError, StopIteration) as e:  # (JSONDecodeError: ValueError)
+        return {"error": f"llama-bench's output is not the JSON expected "
+                         f"({type(e).__name__}: {e}): {out.strip()[:100]!r}"}
     return {"prefill_tok_s": round(pp["avg_ts"], 2), "decode_tok_s": round(tg["avg_ts"], 2),
             "decode_ms_per_token": round(1000 / tg["avg_ts"], 3),
             "decode_tok_s_runs": [round(x, 2) for x in tg.get("samples_ts", [])],
@@ -418,7 +424,10 @@ def run_peer(name: str, model_path: str, prompt_tokens: int, context: int, decod
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": last_line(proc.stderr) or f"exit status {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (ValueError, TypeError, IndexError):
+        return {"error": f"the peer's output is not one JSON object: {proc.stdout[-100:]!r}"}
 
 
 def peer_worker(args: argparse.Namespace) -> int:
@@ -479,7 +488,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--peers", default="", metavar="hf,llamacpp",
                    help="also time these on the same model and sizes, each in a subprocess")
     p.add_argument("--hf", action="store_true", help="the same as --peers hf")
-    p.add_argument("--bandwidth", type=float, default=None, metavar="GBPS",
+    p.add_argument("--bandwidth", type=positive_float, default=None, metavar="GBPS",
                    help="copy bandwidth measured before (GB/s, read + write); default: measure")
     p.add_argument("--out", default=None, help="also write the JSON to this file (atomically)")
     p.add_argument("--label", default=None, help="a free-form label stored in the JSON")
@@ -501,14 +510,11 @@ def run(argv: list[str] | None = None) -> int:
 
     import tqjax
     from tqjax.api import kv_footprint, resolve_path
-    from tqjax.errors import TqjaxError
     from tqjax.pallas.backend import check_backend, use_backend
 
     spec = cache_spec(args)
     peers = parse_peers(args.peers) + (["hf"] if args.hf and "hf" not in args.peers else [])
     context, slots = check_sizes(args)
-    if args.bandwidth is not None and args.bandwidth <= 0:
-        raise TqjaxError("--bandwidth must be > 0 GB/s")
     if args.out:
         check_writable(Path(args.out))  # before the run, not after it
     path = str(resolve_path(args.model))

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, print_json, run_main
+from tqjax.cli import ArgumentParser, check_writable, positive_float, print_json, run_main
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (results/ lives there)
 BENCH = (sys.executable, "-m", "tqjax.commands.bench")
@@ -231,7 +231,8 @@ def run_one(run: Run, dest: Path, bandwidth: float, timeout: float | None) -> tu
 
 def run(argv: list[str] | None = None) -> int:
     """The sweep; returns the exit status (1 if a run failed; user errors raise TqjaxError)."""
-    p = ArgumentParser(prog="tqjax-bench-sweep", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tqjax-bench-sweep", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="all",
                    help=f"comma-separated presets: {', '.join(PRESETS)}, or all")
     p.add_argument("--models", default=",".join(MODELS),
@@ -242,9 +243,9 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke test: small sizes")
     p.add_argument("--force", action="store_true", help="re-run runs already saved")
     p.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
-    p.add_argument("--bandwidth", type=float, default=None, metavar="GBPS",
+    p.add_argument("--bandwidth", type=positive_float, default=None, metavar="GBPS",
                    help="copy bandwidth (GB/s) to use instead of measuring it")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument("--timeout", type=positive_float, default=None, help="seconds per run")
     p.add_argument("--decode-tokens", type=int, default=None,
                    help="override every run's decode count (default 32, --quick 8)")
     p.add_argument("--repeats", type=int, default=None,
@@ -262,9 +263,9 @@ def run(argv: list[str] | None = None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:
         raise TqjaxError("--models is empty")
-    if args.bandwidth is not None and args.bandwidth <= 0:
-        raise TqjaxError("--bandwidth must be > 0 GB/s")
     out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    if not args.dry_run:
+        check_writable(out, folder=True)  # before the bandwidth and the first run
     if any(v is not None and v < 1 for v in (args.decode_tokens, args.repeats)):
         raise TqjaxError("--decode-tokens and --repeats must be >= 1")
     runs, notes = plan(presets, models, args.quick)
@@ -279,7 +280,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for r in runs:
             state = "todo" if r in todo else "saved"
-            print(f"{state}  {r.model_name}/{r.name}.json  {' '.join(r.command(None)[1:])}")
+            print(f"{state}  {r.model_name}/{r.name}.json  python {' '.join(r.command(None)[1:])}")
         return 0
     bandwidth = args.bandwidth or (measure_bandwidth() if todo else 0.0)
     if todo:

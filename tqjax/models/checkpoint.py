@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tqjax.atomic import replace_dir
+from tqjax.atomic import read_json, replace_dir
 from tqjax.dtypes import HALF_DTYPES, resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
@@ -394,12 +394,6 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     return meta
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TqjaxError(f"cannot read {path} (corrupt?): {e}") from None
-
 
 def verify_files(path: Path, meta: dict[str, Any]) -> None:
     """Every file listed in quantization.json exists with its recorded size and sha256."""
@@ -448,7 +442,7 @@ def load_quantized(path: Path, dtype: str = "float32"
     are read, cast and placed one at a time, largest first.
     """
     jdtype = resolve_dtype(dtype)
-    meta = _read_json(path / QUANT_FILE)
+    meta = read_json(path / QUANT_FILE)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TqjaxError(f"{path / QUANT_FILE} is not a tqjax quantization file")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -457,7 +451,7 @@ def load_quantized(path: Path, dtype: str = "float32"
     if not isinstance(meta.get("tensors"), dict):
         raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
     verify_files(path, meta)
-    config = config_from_dict(_read_json(path / CONFIG_FILE))
+    config = config_from_dict(read_json(path / CONFIG_FILE))
     check_architecture(path, meta, config)
     st = SafetensorsFile(path / WEIGHTS_FILE)
     keep = {"rope_inv_freq"} | {n + s for n in meta["tensors"] for s in QUANTIZED_PARTS}

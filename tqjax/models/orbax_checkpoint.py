@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from tqjax.atomic import replace_dir
+from tqjax.atomic import read_json, replace_dir
 from tqjax.dtypes import resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.models.checkpoint import (
@@ -167,12 +167,6 @@ def save_sharded(path: str | Path, params: Params, config: ModelConfig,
     return info
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TqjaxError(f"cannot read {path} (corrupt?): {e}") from None
-
 
 def _dense_as(abstract: Params, dtype: Any) -> Params:
     """The abstract params with every dense floating array (embedding, norms, biases, dense
@@ -206,7 +200,7 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
     path = Path(path).expanduser()
     if not is_orbax_checkpoint(path):
         raise TqjaxError(f"{path} is not an orbax checkpoint directory (no {META_FILE})")
-    info = _read_json(path / META_FILE)
+    info = read_json(path / META_FILE)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise TqjaxError(f"{path / META_FILE} is not a tqjax orbax checkpoint")
     if info.get("format_version") != FORMAT_VERSION:
@@ -214,7 +208,7 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
                          f"this tqjax reads version {FORMAT_VERSION} (quantize it again)")
     if not (path / STATE_DIR).is_dir():
         raise TqjaxError(f"orbax checkpoint {path} has no {STATE_DIR}/ directory")
-    config = config_from_dict(_read_json(path / CONFIG_FILE))
+    config = config_from_dict(read_json(path / CONFIG_FILE))
     abstract = _decode(info.get("params"))
     if not isinstance(abstract, Params) or len(abstract.layers) != config.num_layers:
         raise TqjaxError(f"{path / META_FILE} does not describe a {config.num_layers}-layer model")
