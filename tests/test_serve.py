@@ -148,6 +148,16 @@ def test_turbo4_cache_equals_offline(model):
         prompts = prompts16()
         got = run_many(srv.client, prompts, 8)
         assert got == [offline(model, p, 8, cache=spec).text for p in prompts]
+        # a prefix reused short of what the slot holds gives back the recent ring's 32 tokens
+        # (prompt_cache.reusable_prefix): they are prefilled again, into the ring
+        system = "You are a helpful assistant who answers briefly. " * 3
+        a, b = system + "First question?", system + "Second one!"
+        ids_a, ids_b = model.tokenizer.encode(a), model.tokenizer.encode(b)
+        common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+        srv.client.completions.create(model="tiny", prompt=a, max_tokens=4, temperature=0)
+        out = srv.client.completions.create(model="tiny", prompt=b, max_tokens=6, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == common - spec.recent_tokens
+        assert out.choices[0].text == offline(model, b, 6, cache=spec).text
     finally:
         srv.close()
 

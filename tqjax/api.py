@@ -28,6 +28,8 @@ from tqjax.decode.prompt_cache import (
     CacheMeta,
     cache_meta,
     load_prompt_cache,
+    reusable_prefix,
+    ring_size,
     save_prompt_cache,
     saved_length,
 )
@@ -279,16 +281,6 @@ class _TextStream:
         return out
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, max_new_tokens: int,
          stop: Sequence[str], ctx: int, cache: CacheSpec, on_text: Callable[[str], None] | None,
          start: tuple[object, list[int]] | None = None, context_shift: bool = False,
@@ -384,7 +376,7 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     start, saved = None, []
     if path.exists():
         kv, saved = load_prompt_cache(path, meta, saved_length(path))
-        reuse = min(common_prefix(saved, ids), len(ids) - 1)
+        reuse = reusable_prefix(saved, ids, ring_size(kv))
         start = (kv, [reuse]) if reuse > 0 else None
 
     def save(kv: object) -> None:
@@ -433,7 +425,7 @@ class Session:
         """`tqjax.generate` for one prompt, reusing the cached common prefix."""
         sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed)
         ids = encode_prompt(self.model, prompt, chat, system)
-        reuse = min(common_prefix(self.tokens, ids), max(len(ids) - 1, 0))
+        reuse = 0 if self._kv is None else reusable_prefix(self.tokens, ids, ring_size(self._kv))
         start = (self._kv, [reuse]) if reuse > 0 else None
         kv, tokens = self._kv, self.tokens
         self.reset()  # generation consumes the cache (the decode steps donate its buffers)

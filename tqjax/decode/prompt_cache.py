@@ -197,6 +197,43 @@ VERSION = 2  # 2: a bf16 dense store holds its bits (uint16)
 _MODEL_HASHES: dict[int, tuple[weakref.ref, str]] = {}  # id(params) -> (params, sha256)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def ring_size(cache: KVCache) -> int:
+    """Positions each row's recent-token ring holds (`RecentWindow`; 0: no layer has one)."""
+    return max((g.recent.pos.shape[-1] for g in cache.groups if g.recent is not None),
+               default=0)
+
+
+def reusable_prefix(held: Sequence[int], prompt: Sequence[int], ring: int) -> int:
+    """Prompt tokens a cache holding `held` (slot i holds held[i]) can give a new `prompt`, so
+    that what follows reads what a fresh prefill of the prompt would.
+
+    The common prefix, less the prompt's last token (always run, for its logits). A cache with
+    an exact recent-token ring of `ring` positions (the turbo stores') holds the last `ring` of
+    `held`, and a query reads its last `ring` positions (itself included) from it. Where `held`
+    goes on more than one token past the reuse point n, the ring no longer holds the positions
+    before n that a fresh prefill reads exactly, and the compressed store would serve them
+    instead. Then `ring` fewer tokens are reused: they are prefilled again and enter the ring.
+    Their keys and values are recomputed reading the older positions from the store, so the
+    continuation matches a fresh one to within noise, not bit for bit (SmolLM2, turbo4: KL to
+    the fresh logits 2-4e-5 against 1-8e-4 without the back-off, and to an f32 cache's as the
+    fresh run's; docs/research.md, stop 56). Reuse up to the end of `held` (a chat's next
+    turn, the same prompt again) reads what a fresh run reads."""
+    n = min(common_prefix(held, prompt), len(prompt) - 1)
+    if ring and n < len(held) - 1 and len(held) > ring:
+        n -= ring
+    return max(n, 0)
+
+
 def _sha256_arrays(h: hashlib._Hash, named: list[tuple[str, np.ndarray]]) -> None:
     for name, x in named:
         x = np.ascontiguousarray(x)

@@ -18,9 +18,9 @@ values it holds, in the cache's own (compressed) form; a new request goes to the
 the longest common token prefix and prefills only the rest. Idle rows re-feed their last real
 token at its own position every step (the same values written again), so they never corrupt a
 cached prefix or its recent-token ring. With a turbo cache's exact recent ring, a prefix reused
-short of the slot's end reads the 32 positions before the reuse point from the compressed store
-rather than the ring (a fresh prefill reads them exactly), so those outputs can differ slightly
-from a fresh run; reuse at the slot's end (multi-turn chat) is exact.
+short of the slot's end gives back its last 32 tokens, which are prefilled again so that they
+enter the ring as in a fresh run (`prompt_cache.reusable_prefix`); reuse at the slot's end
+(multi-turn chat) is exact.
 """
 
 from __future__ import annotations
@@ -151,15 +151,6 @@ class QueueFull(TqjaxError):
     """The waiting queue is full (HTTP 429)."""
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(5,))
 def prefill_row(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
                 row: jax.Array, cache: KVCache, out_index: jax.Array, valid: jax.Array
@@ -209,7 +200,7 @@ class Engine:
         self.cache = new_cache(model.params, cfg, spec, slots, self.alloc, self.calibration)
         self.seen = jnp.zeros((slots, cfg.vocab_size), bool)
         self.keys = jnp.zeros((slots, 2), jnp.uint32)
-        self.ring = any(group.recent is not None for group in self.cache.groups)
+        self.ring = prompt_cache.ring_size(self.cache)  # recent-token ring positions (0: none)
         self.slots = [Slot() for _ in range(slots)]
         self.settings = [SamplingParams() for _ in range(slots)]
         self.stats = Stats()
@@ -378,8 +369,8 @@ class Engine:
                 self.waiting.appendleft(req)
                 return
 
-            reuse = {i: min(common_prefix(self.slots[i].tokens[: self.slots[i].valid],
-                                          req.prompt), len(req.prompt) - 1) for i in free}
+            reuse = {i: prompt_cache.reusable_prefix(
+                self.slots[i].tokens[: self.slots[i].valid], req.prompt, self.ring) for i in free}
             row = max(free, key=lambda i: (reuse[i], -self.slots[i].last_used))
             p = reuse[row]
             s = self.slots[row]
