@@ -1,6 +1,7 @@
 """Prompt caches: rows of a cache (take_row/put_row), saved caches, prefix reuse, context shift."""
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,28 @@ def test_bad_prompt_cache_files_are_refused(model, tmp_path):
     refused(data, "holds 20 tokens, more than the 16 slots", slots=16)
     with pytest.raises(TqjaxError, match="no such"):
         pc.load_prompt_cache(tmp_path / "missing.tqkv", meta, 64)
+    # a safetensors file that is no prompt cache (weights given by mistake), a folder, a FIFO:
+    # each said as it is, by saved_length (which runs first) and by the load
+    from safetensors.numpy import save_file
+
+    weights, fifo = tmp_path / "weights.safetensors", tmp_path / "fifo"
+    save_file({"w": np.ones(3, np.float32)}, str(weights), metadata={"n_tokens": "x"})
+    os.mkfifo(fifo)
+    for path, match in ((weights, "is not a tqjax prompt cache"), (tmp_path, "is a directory"),
+                        (fifo, "is not a regular file")):
+        for read in (pc.saved_length, lambda p: pc.load_prompt_cache(p, meta, 64)):
+            with pytest.raises(TqjaxError, match=match):
+                read(path)
+    # writing where no file can go: a TqjaxError naming the path (not the temporary sibling,
+    # not an OSError), and from generate() before any prefill
+    session = Session(model, cache=spec, ctx_size=64)
+    session.generate(prompt, max_new_tokens=2)
+    for dest, match in ((tmp_path, "cannot write prompt cache .*: Is a directory"),
+                        (good / "x.tqkv", "cannot write prompt cache .*: Not a directory")):
+        with pytest.raises(TqjaxError, match=match):
+            session.save(dest)
+    with pytest.raises(TqjaxError, match="cannot write prompt cache .*: Not a directory"):
+        tqjax.generate(model, prompt, max_new_tokens=2, cache=spec, prompt_cache=good / "x")
 
 
 def test_session_reuses_the_common_prefix(model):

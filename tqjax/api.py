@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tqjax import fetch
+from tqjax.atomic import check_writable
 from tqjax.data import calibration_text
 from tqjax.decode.calibrate import calibrate
 from tqjax.decode.generate import (
@@ -371,8 +372,8 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     if batched:
         raise TqjaxError("a prompt cache file goes with a single prompt")
     ids, path, meta = prompts[0], Path(prompt_cache), model.cache_meta(cache)
-    if path.is_dir():
-        raise TqjaxError(f"prompt cache {path} is a directory; give a file")
+    if not prompt_cache_ro:  # before any work (a folder, or a file where a folder must be)
+        check_writable(path, "prompt cache")
     start, saved = None, []
     if path.exists():
         kv, saved = load_prompt_cache(path, meta, saved_length(path))

@@ -38,7 +38,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     on an exception it is removed and `dest` is left untouched."""
     dest = Path(dest)
     with _about(dest):
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_parents(dest)
         fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         os.close(fd)
         tmp = Path(name)
@@ -52,6 +52,17 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
             raise
     fsync_dir(dest.parent)
+
+
+def _make_parents(dest: Path) -> None:
+    """Make dest's missing folders; a file where a folder must be is NotADirectoryError (mkdir
+    says "File exists")."""
+    above = dest.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(above))
+    dest.parent.mkdir(parents=True, exist_ok=True)
 
 
 @contextmanager
@@ -138,7 +149,7 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     """
     dest = Path(dest)
     with _about(dest):
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_parents(dest)
         recover_dir(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     old = dest.parent / f".{dest.name}.old"
@@ -179,3 +190,27 @@ def read_json(path: str | Path, kind: type | None = None) -> Any:  # noqa: ANN40
         raise TqjaxError(f"cannot read {path}: expected a JSON {kind.__name__}, "
                          f"found a {type(data).__name__}")
     return data
+
+
+def check_writable(path: Path, what: str = "--out", folder: bool = False,
+                   whole: bool = False) -> Path:
+    """Fail early, before any work, when `path` cannot be written: its nearest existing folder
+    must take a new entry (missing folders are made when the output is written). A file output
+    must not be a folder; `folder=True`: a folder that files are written into, created now if
+    missing; `whole=True`: a folder written whole and swapped into place
+    (`atomic.replace_dir`), so it may exist. Returns `path`; raises TqjaxError with one line
+    otherwise."""
+    path = Path(path)
+    try:
+        if not (folder or whole) and path.is_dir():
+            raise IsADirectoryError(21, "is a directory", str(path))
+        if folder:
+            path.mkdir(parents=True, exist_ok=True)
+        target = path if folder else path.absolute().parent
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        raise TqjaxError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    return path

@@ -9,8 +9,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
+from tqjax.atomic import check_writable as check_writable  # (for the commands)
 from tqjax.dtypes import DTYPES
 from tqjax.errors import TqjaxError
 
@@ -171,32 +171,6 @@ def user_error_text(e: BaseException) -> str | None:
         return ("the model has no tokenizer (no tokenizer.json or tokenizer.model next to its "
                 "weights, nor GGUF metadata) and this command needs one")
     return None
-
-
-def check_writable(path: Path, what: str = "--out", folder: bool = False,
-                   whole: bool = False) -> Path:
-    """Fail early, before any work, when `path` cannot be written: its nearest existing folder
-    must take a new entry (missing folders are made when the output is written). A file output
-    must not be a folder; `folder=True`: a folder that files are written into, created now if
-    missing; `whole=True`: a folder written whole and swapped into place
-    (`atomic.replace_dir`), so it may exist. Returns `path`; raises TqjaxError with one line
-    otherwise."""
-    import tempfile
-
-    path = Path(path)
-    try:
-        if not (folder or whole) and path.is_dir():
-            raise IsADirectoryError(21, "is a directory", str(path))
-        if folder:
-            path.mkdir(parents=True, exist_ok=True)
-        target = path if folder else path.absolute().parent
-        while not target.exists() and target != target.parent:
-            target = target.parent
-        with tempfile.TemporaryFile(dir=target):
-            pass
-    except OSError as e:
-        raise TqjaxError(f"cannot write {what} {path}: {e.strerror or e}") from None
-    return path
 
 
 def run_main(main: Callable[[], int | None]) -> None:

@@ -401,7 +401,10 @@ def save_prompt_cache(path: str | Path, cache: KVCache, tokens: Sequence[int],
     tensors["tokens"] = ids.astype(np.int32)
     header = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n),
               "meta": json.dumps(meta.record(), sort_keys=True)}
-    write_safetensors(path, tensors, {**header, "sha256": _checksum(header, tensors)})
+    try:
+        write_safetensors(path, tensors, {**header, "sha256": _checksum(header, tensors)})
+    except OSError as e:  # (the atomic write names `path`, not its temporary sibling)
+        raise TqjaxError(f"cannot write prompt cache {path}: {e.strerror or e}") from None
 
 
 _FIELD_NAMES = {"model_sha256": "another model", "tokenizer_sha256": "another tokenizer",
@@ -412,12 +415,21 @@ _FIELD_NAMES = {"model_sha256": "another model", "tokenizer_sha256": "another to
                                     "centres)"}
 
 
+def _check_file(path: Path) -> None:
+    """A prompt-cache path must be a regular file (a folder, a FIFO or a device is not)."""
+    if not path.exists():
+        raise TqjaxError(f"no such prompt cache file: {path}")
+    if path.is_dir():
+        raise TqjaxError(f"prompt cache {path} is a directory; give a file")
+    if not path.is_file():
+        raise TqjaxError(f"prompt cache {path} is not a regular file")
+
+
 def _read(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     """Header and tensors of a prompt-cache file; any unreadable file -> TqjaxError."""
     from safetensors import safe_open
 
-    if not path.is_file():
-        raise TqjaxError(f"no such prompt cache file: {path}")
+    _check_file(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
             header = dict(f.metadata() or {})
@@ -434,11 +446,15 @@ def saved_length(path: str | Path) -> int:
     from safetensors import safe_open
 
     path = Path(path)
-    if not path.is_file():
-        raise TqjaxError(f"no such prompt cache file: {path}")
+    _check_file(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
-            n = int((f.metadata() or {}).get("n_tokens", ""))
+            header = f.metadata() or {}
+            if header.get("format") != FORMAT:
+                raise TqjaxError(f"{path} is not a tqjax prompt cache")
+            n = int(header.get("n_tokens", ""))
+    except TqjaxError:
+        raise
     except Exception as e:  # unreadable header or count
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TqjaxError(f"prompt cache {path} is truncated or corrupt ({reason})") from None
