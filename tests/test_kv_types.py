@@ -9,7 +9,7 @@ import pytest
 from tqjax.cli import cache_spec
 from tqjax.commands.generate import parse_args
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import NAIVE, STORE_FACTORIES, CacheSpec, parse_kv
+from tqjax.kv.cache import NAIVE, STORE_FACTORIES, CacheSpec, check_spec, parse_kv
 
 from .conftest import ROOT
 
@@ -79,3 +79,14 @@ def test_help_lists_every_cache_type(capsys):
         assert f"{name}," in text or f"{name})" in text, name
     assert "--kv-recent" in text and "--kv-boundary-layers" in text
     assert "--kv-naive" not in text and "--kv-aids" not in text
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(seed=-1), "rotation seed must be >= 0"),  # (numpy's generator failed inside make_cache)
+    (dict(recent_tokens=2.5), "recent tokens must be an integer"),
+    (dict(sink_tokens="4"), "sink tokens must be an integer"),
+    (dict(boundary_layers=None), "boundary layers must be an integer"),
+])
+def test_cache_spec_fields_are_checked(fields, needle):
+    with pytest.raises(TqjaxError, match=needle):
+        check_spec(CacheSpec("turbo4", **fields))

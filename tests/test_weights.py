@@ -447,7 +447,8 @@ def test_weight_spec_validation():
     assert WeightSpec("mixed", bpw=3.5).base_format == WeightFormat("tq", 4, 64)
     for bad in (dict(method="tq5"), dict(method="mixed"), dict(method="tq4", bpw=4.0),
                 dict(method="mixed", bpw=1.0), dict(method="tq4", group_size=48),
-                dict(method="int4", group_size=12)):
+                dict(method="int4", group_size=12),
+                dict(method="tq4", seed=-1), dict(method="tq4", seed=1.5)):  # (-1 failed late)
         with pytest.raises(TqjaxError):
             WeightSpec(**bad)
 
@@ -763,6 +764,29 @@ def _edit_config(d, **changes):
     _edit_json(d / "config.json", lambda c: c.update(changes))
     _edit_json(d / "quantization.json", lambda m: m["files"]["config.json"].update(
         size=(d / "config.json").stat().st_size, sha256=ckpt.file_digest(d / "config.json")[1]))
+
+
+def _lut_is_a_rotation(m):
+    rotation = next(e["rotation"] for e in m["tensors"].values() if e.get("rotation"))
+    m["tensors"]["layers.0.wq"]["lut"] = rotation
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: _edit_json(d / "quantization.json", _lut_is_a_rotation), "entry lut"),
+    (lambda d: _edit_json(d / "quantization.json", lambda m: m["files"].update(
+        {"model.safetensors": [1, 2]})), "bad entry for file model.safetensors"),
+    (lambda d: (d / "quantization.json").unlink(), "not its quantization.json"),
+])
+def test_more_damaged_checkpoints_are_clear_errors(saved, tmp_path, damage, message):
+    """Edits that were AttributeErrors, and a missing quantization.json that was read as an HF
+    folder ("unsupported architecture None"); the planner names a checkpoint as one."""
+    d = _copy(saved, tmp_path)
+    damage(d)
+    with pytest.raises(TqjaxError, match=message) as e:
+        tqjax.load(d)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TqjaxError, match="tqjax checkpoint"):
+        tqjax.plan(_copy(saved, tmp_path / "intact"), "1GiB")
 
 
 @pytest.mark.parametrize("damage,message", [

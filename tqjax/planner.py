@@ -52,7 +52,7 @@ from tqjax.kv.cache import (
     make_cache,
     parse_kv,
 )
-from tqjax.models import loading
+from tqjax.models import checkpoint, loading, orbax_checkpoint
 from tqjax.models.config import ModelConfig, rope_inv_freq
 from tqjax.models.quantize import LINEARS, METHODS
 from tqjax.quant import ggml
@@ -171,6 +171,10 @@ def _tensor_table(path: Path) -> tuple[ModelConfig, dict[str, loading.StoredTens
         meta, tensors = loading.read_gguf(path)
         config = loading.config_from_gguf(meta, has_output_weight="lm_head.weight" in tensors)
         return config, tensors
+    if (path / checkpoint.QUANT_FILE).is_file() or (path / orbax_checkpoint.META_FILE).is_file():
+        raise TqjaxError(f"{path} is a tqjax checkpoint of finished weights; the planner reads "
+                         f"the model it was made from (a name, a .gguf or an HF directory) and "
+                         f"plans every weights preset for it")
     if path.is_dir() and (path / "config.json").is_file():
         return (loading.read_hf_config(path),
                 loading.safetensors_tensors(loading.safetensors_files(path)))

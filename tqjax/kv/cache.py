@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from tqjax.dtypes import DTYPES, SHORT_NAMES
-from tqjax.errors import TqjaxError
+from tqjax.errors import TqjaxError, is_int
 from tqjax.kv import store as kvs
 from tqjax.kv.quantized import (
     SCALE_DTYPE,
@@ -364,6 +364,12 @@ def check_spec(spec: CacheSpec) -> None:
             hint = " (turbo bits: 2, 3 or 4, optionally .5)" if name.startswith("turbo") else ""
             raise TqjaxError(f"unknown cache type {name!r}{hint} "
                              f"(choose from: {', '.join(STORE_FACTORIES)})")
+    for name in ("boundary_layers", "sink_tokens", "recent_tokens", "seed"):
+        if not is_int(getattr(spec, name)):
+            raise TqjaxError(f"cache {name.replace('_', ' ')} must be an integer, got "
+                             f"{getattr(spec, name)!r}")
+    if spec.seed < 0:  # (numpy's generators take no negative seed)
+        raise TqjaxError(f"the cache's rotation seed must be >= 0, got {spec.seed}")
     if spec.boundary_layers < 0:
         raise TqjaxError(f"boundary layers must be >= 0, got {spec.boundary_layers}")
     if spec.sink_tokens < 0 or spec.recent_tokens < 0:

@@ -254,7 +254,8 @@ def _quantized(name: str, info: dict[str, Any], tensors: dict[str, jax.Array],
             got = "missing" if t is None else f"shape {t.shape}"
             raise TqjaxError(f"quantized checkpoint: {name}{suffix} is {got}, expected {shape}")
         expect[suffix] = t
-    if lut_name not in shared or shared[lut_name].shape != (1 << bits,):
+    if isinstance(shared.get(lut_name), Rotation) or getattr(
+            shared.get(lut_name), "shape", None) != (1 << bits,):
         raise TqjaxError(f"quantized checkpoint: {name} needs a {1 << bits}-entry lut {lut_name}")
     if kind != "tq" and not np.array_equal(np.asarray(shared[lut_name]),
                                            np.asarray(format_lut(WeightFormat(kind, bits, 8)))):
@@ -405,7 +406,9 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
         if Path(name).name != name or not f.is_file():
             raise TqjaxError(f"quantized checkpoint {path} is missing {name}")
         size, digest = file_digest(f)
-        if not isinstance(info, dict) or size != info.get("size"):
+        if not isinstance(info, dict):
+            raise TqjaxError(f"{QUANT_FILE}: bad entry for file {name}")
+        if size != info.get("size"):
             raise TqjaxError(f"{f} has {size} bytes, expected {info.get('size')} (truncated?)")
         if digest != info.get("sha256"):
             raise TqjaxError(f"{f} does not match its sha256 in {QUANT_FILE} (tampered or corrupt)")

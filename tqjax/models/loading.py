@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from tqjax.atomic import read_json
 from tqjax.dtypes import HALF_DTYPES, resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.host import host_buffer, release_adopted
@@ -111,10 +112,11 @@ def read_hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise TqjaxError(f"{path} has no config.json (expected an HF model directory)")
-    try:
-        return config_from_hf(json.loads(cfg_file.read_text()))
-    except json.JSONDecodeError as e:
-        raise TqjaxError(f"{cfg_file} is not valid JSON: {e}") from None
+    raw = read_json(cfg_file, dict)
+    if "architectures" not in raw and "arch" in raw and "num_layers" in raw:  # tqjax's own
+        raise TqjaxError(f"{path} holds a tqjax checkpoint's config.json but not its "
+                         f"quantization.json or orbax.json (an incomplete checkpoint?)")
+    return config_from_hf(raw)
 
 
 def safetensors_files(path: Path) -> list[Path]:

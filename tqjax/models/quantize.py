@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tqjax.errors import TqjaxError
+from tqjax.errors import TqjaxError, is_int
 from tqjax.host import drop_programs, host_buffer
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
@@ -115,6 +115,8 @@ class WeightSpec:
             raise TqjaxError(f"bpw must be in (2, 16], got {self.bpw}")
         if not 0.0 <= self.damp < 1.0:
             raise TqjaxError(f"GPTQ dampening must be in [0, 1), got {self.damp}")
+        if not is_int(self.seed) or self.seed < 0:  # (numpy's generators take no negative seed)
+            raise TqjaxError(f"the rotation seed must be an integer >= 0, got {self.seed!r}")
         self.base_format  # validates the group size  # noqa: B018
 
     @property
