@@ -9,7 +9,7 @@ version and the machine.
 Steps (in order; outputs under results/current/):
   golden   golden_report.json: logits, greedy text and perplexity against HF transformers
   kv       kv/kv_table.jsonl: KV-cache ΔPPL, KL, top-1 per cache type (scripts/kv_table.py)
-  weights  weights/weights_<model>.{json,md}: the weight formats against f32, with the
+  weights  weights/weights_<short>.{json,md}: the weight formats against f32, with the
            first-order split (scripts/weights_table.py)
   bench    bench/<model>/*.json: decode speed and memory sweeps (scripts/bench_sweep.py)
   plan     plan/check.json: the memory planner against measured runs (scripts/plan_check.py)
