@@ -320,3 +320,48 @@ def test_a_session_keeps_its_cache_when_a_call_is_refused(text_model):
         assert s.tokens == held
     again = s.generate("abcdef", max_new_tokens=3)
     assert again.text == first.text and again.cached_tokens == 5
+
+
+def test_forward_refuses_a_chunk_its_cache_does_not_fit(model):
+    """Shapes XLA would run anyway, clamping a cache row or slot index (a batch-1 cache under a
+    batch-2 chunk gave row 0 logits 6.1 away from the reference, with no error): each a
+    TqjaxError as `forward` is traced. Layers of a cache count from the end like a list."""
+    from tqjax.models.transformer import forward
+
+    p, cfg = model.params, model.config
+    tokens = jnp.ones((2, 8), jnp.int32)
+
+    def run(tokens, start, batch=2, slots=16):
+        cache = gen.new_cache(p, cfg, tqjax.CacheSpec(), batch, slots)
+        return forward(p, cfg, tokens, start, cache)
+
+    for args, needle in (((tokens, jnp.zeros(2, jnp.int32), 1), "cache of batch 1"),
+                         ((tokens, jnp.zeros(2, jnp.int32), 2, 4), "4 slots"),
+                         ((tokens[0], jnp.zeros(1, jnp.int32)), "tokens \\[B, T\\]"),
+                         ((tokens, 0), "start \\[B\\]")):
+        with pytest.raises(TqjaxError, match=needle):
+            run(*args)
+    logits, cache = run(tokens, jnp.zeros(2, jnp.int32))
+    assert logits.shape == (2, 8, cfg.vocab_size)
+    from tqjax.kv.cache import make_cache
+
+    spec = tqjax.CacheSpec("q8", "q8", boundary_layers=1, boundary_type="f32")
+    cache = make_cache(spec, batch=1, slots=16, num_layers=5, kv_heads=2, head_dim=8)
+    kinds = [type(layer.k).__name__ for layer in cache.layers]
+    assert kinds[0] == kinds[4] != kinds[1] == kinds[3]  # f32 at both ends, q8 between
+    assert [type(cache.layer(i - 5).k).__name__ for i in range(5)] == kinds
+    with pytest.raises(IndexError):
+        cache.layer(5)
+
+
+def test_the_calibration_hint_works(model):
+    """A model without a tokenizer cannot calibrate a turbo cache; the error's hint, followed,
+    runs (it left out balance_keys, so following it raised the same error)."""
+    with pytest.raises(TqjaxError, match="balance_keys=False") as e:
+        tqjax.logits(model, [1, 2, 3], cache="turbo4")
+    hint = str(e.value).split("pass CacheSpec(..., ")[1].rstrip(")")
+    flags = dict(kv.split("=") for kv in hint.split(", "))
+    assert set(flags.values()) == {"False"}
+    flags = dict.fromkeys(flags, False)
+    out = tqjax.logits(model, [1, 2, 3], cache=tqjax.CacheSpec("turbo4", "turbo4", **flags))
+    assert out.shape == (3, model.config.vocab_size) and np.isfinite(out).all()

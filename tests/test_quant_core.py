@@ -442,3 +442,17 @@ def test_prod_shapes_and_inner_products():
 def test_bad_inputs_raise(make):
     with pytest.raises(TqjaxError):
         make()
+
+
+@pytest.mark.parametrize("bits", [6, 7, 8])
+def test_high_bit_quantizers_meet_the_panter_dite_distortion(bits):
+    """6-8 bit codes (documented, but their 64-256 entry codebooks failed in the lookup) give
+    the high-resolution distortion of a Gaussian Lloyd-Max quantizer, √3·π/2 · 4^-b per unit
+    of variance (Panter & Dite), on unit vectors: measured 0.96-0.98 of it at d = 64."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (2000, 64))
+    x = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = make_quantizer(64, bits, norm_correction=False)
+    codes, scale = quantize(q, x)
+    mse = float(jnp.mean(jnp.sum((x - dequantize(q, codes, scale)) ** 2, -1)))
+    assert codes.dtype == jnp.uint8 and codes.shape == x.shape
+    assert mse == pytest.approx(np.sqrt(3) * np.pi / 2 * 4.0 ** -bits, rel=0.08)

@@ -73,8 +73,9 @@ class Model:
             return None
         if self._calibration is None:
             if self.tokenizer is None:
-                raise TqjaxError("centred turbo caches need a tokenizer for calibration; "
-                                 "pass CacheSpec(center_keys=False, center_values=False)")
+                raise TqjaxError("centred or balanced turbo caches calibrate on text and need "
+                                 "a tokenizer; pass CacheSpec(..., center_keys=False, "
+                                 "center_values=False, balance_keys=False)")
             ids = self.tokenizer.encode(calibration_text(), add_bos=False)
             self._calibration = calibrate(self.params, self.config, ids)
         return self._calibration

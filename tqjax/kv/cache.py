@@ -307,7 +307,11 @@ class KVCache:
         return jax.tree_util.tree_leaves(self.groups[0].k)[0].shape[1]
 
     def layer(self, i: int) -> LayerCache:
-        """Layer i's cache (per-layer arrays; outside jit each is a copy)."""
+        """Layer i's cache (per-layer arrays; outside jit each is a copy); i < 0 counts from
+        the end."""
+        if not -self.num_layers <= i < self.num_layers:
+            raise IndexError(i)
+        i %= self.num_layers
         for g in self.groups:
             n = group_size(g)
             if i < n:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from tqjax.errors import TqjaxError
 from tqjax.host import host_buffer, release_adopted, trim_heap
 from tqjax.kv import cache as kvc
 from tqjax.kv.rope import apply_rope, rope_cos_sin
@@ -296,6 +297,23 @@ def pick_layer(layers: LayerStack, i: jax.Array | int, among: range) -> LayerPar
         for name, (which, get) in zip(PARTS[1:], formats[1:], strict=True)})
 
 
+def _check_chunk(config: ModelConfig, tokens: jax.Array, start: jax.Array,
+                 cache: kvc.KVCache) -> None:
+    """`forward`'s shapes (static, so checked as it is traced): a mismatch XLA would run
+    anyway, clamping a cache row or slot index, is a TqjaxError here. (Positions are traced:
+    start + T <= the cache's slots is the caller's to keep; `prefill` checks it.)"""
+    shape = lambda x: tuple(getattr(x, "shape", ()))  # noqa: E731
+    if len(shape(tokens)) != 2 or shape(start) != shape(tokens)[:1]:
+        raise TqjaxError(f"forward takes tokens [B, T] and start [B], got shapes "
+                         f"{shape(tokens)} and {shape(start)}")
+    b, t = shape(tokens)
+    heads = jax.tree_util.tree_leaves(cache.groups[0].k)[0].shape[2]
+    if (cache.batch, heads) != (b, config.num_kv_heads) or cache.slots < t:
+        raise TqjaxError(f"a cache of batch {cache.batch}, {heads} KV heads and {cache.slots} "
+                         f"slots for a chunk of batch {b} and {t} tokens of a model with "
+                         f"{config.num_kv_heads} KV heads")
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
             cache: kvc.KVCache, out_index: jax.Array | None = None,
             valid: jax.Array | None = None) -> tuple[jax.Array, kvc.KVCache]:
@@ -306,6 +324,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     `out_index` int32 [B] when given, and the updated cache. `valid` int32 [B]: the real
     tokens of each row's chunk (right-padded prefill; default T): only those enter the caches'
     recent-token rings, so each row's ring ends at its last real token, not in its padding.
+    Shapes are checked as they are traced (`_check_chunk`); the traced values are not: start +
+    T must stay within the cache's slots (XLA clamps an out-of-range write; `prefill` and
+    `generate_tokens` check it) and token ids within the vocabulary (`tqjax.logits` checks them).
 
     Each group of alike cache layers (`kvc.KVCache`) runs as one compiled layer body in a
     `fori_loop`: each of a layer's linears is picked by a `lax.switch` over the formats that
@@ -316,6 +337,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     more memory in programs than the compression saved (docs/research.md, stop 37); compiled
     once per layer, a Qwen2.5-Coder-1.5B GGUF's decode program held 607 MB (stop 45).
     """
+    _check_chunk(config, tokens, start, cache)
     dtype = params.final_norm.dtype
     x = embed_tokens(params.embed, tokens).astype(dtype)
     positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
@@ -323,8 +345,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.A
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
     layers = as_stack(params.layers)
     if cache.num_layers != len(layers):
-        raise ValueError(f"a cache of {cache.num_layers} layers for a model of "
-                         f"{len(layers)}")
+        raise TqjaxError(f"a cache of {cache.num_layers} layers for a model of {len(layers)}")
 
     def run(i: jax.Array | int, x: jax.Array, group: kvc.LayerCache, first: int
             ) -> tuple[jax.Array, kvc.LayerCache]:

@@ -135,13 +135,16 @@ def unpack_planes(packed: jax.Array, bits: int, n: int) -> list[jax.Array]:
 
 
 def lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
-    """table[codes] for a small table [2^b] (b <= 5) and integer codes [...] in range: a tree of
-    b levels of selects on the code bits (exact). XLA:CPU vectorises selects but runs a gather
-    element by element: 4-bit codes [1, 3, 8192, 64] took 0.6-0.9 ms against 3.9-4.4 ms for
-    `jnp.take(..., mode="clip")` (issue 22, stop 37)."""
+    """table[codes] for a table [2^b] (b <= 8) and integer codes [...] in range. Up to 32
+    entries: a tree of b levels of selects on the code bits (exact). XLA:CPU vectorises selects
+    but runs a gather element by element: 4-bit codes [1, 3, 8192, 64] took 0.6-0.9 ms against
+    3.9-4.4 ms for `jnp.take(..., mode="clip")` (issue 22, stop 37). Larger tables (6-8 bit
+    codes, which no cache type uses) are gathered."""
     n = table.shape[0]
-    if n & (n - 1) or not 2 <= n <= 32:
-        raise TqjaxError(f"lookup tables hold 2..32 (a power of two) entries, got {n}")
+    if n & (n - 1) or not 2 <= n <= 256:
+        raise TqjaxError(f"lookup tables hold 2..256 (a power of two) entries, got {n}")
+    if n > 32:  # a select tree of 64+ leaves would be a larger program than the gather
+        return jnp.take(table, codes.astype(jnp.int32), mode="clip")
     vals = [table[i] for i in range(n)]
     bit = 0
     while len(vals) > 1:
