@@ -4,7 +4,8 @@
     python scripts/research/reuse_ring.py -m qwen2.5-coder-0.5b-instruct --kv turbo4
 
 A cache holds A = P + a; the prompt is B = P + b (P: --prefix tokens of Hamlet, a and b: 96
-tokens from elsewhere in it). Teacher-forced logits over b, four ways: a fresh prefill of B with
+tokens from elsewhere in it; the comparison starts where A and B first differ). Teacher-forced
+logits over b, four ways: a fresh prefill of B with
 the cache type; B's rest prefilled on A's cache from `prompt_cache.reusable_prefix` (the
 product: the ring's positions given back) and from the raw common prefix (P whole); and a fresh
 prefill with an f32 cache. One JSON line per draw: KL(fresh || reused) both ways, KL(f32 ||
@@ -59,15 +60,17 @@ def main() -> None:
         prefix = text[off:off + n_p]
         held = prefix + text[off + 20000:off + 20096]
         new = prefix + text[off + 40000:off + 40096]
-        fresh = logits(new, spec)[0][n_p:]
-        ref = logits(new, f32)[0][n_p:]
-        row = {"model": args.model, "kv": args.kv, "draw": draw, "prefix": n_p,
+        branch = pc.common_prefix(held, new)  # n_p, or more where the tails start alike
+        fresh = logits(new, spec)[0][branch:]
+        ref = logits(new, f32)[0][branch:]
+        row = {"model": args.model, "kv": args.kv, "draw": draw, "prefix": branch,
                "fresh_vs_f32_kl": kl(ref, fresh)}
         _, kv = logits(held, spec)
         ring = pc.ring_size(kv)
-        for name, n in (("product", pc.reusable_prefix(held, new, ring)), ("whole_prefix", n_p)):
+        for name, n in (("product", pc.reusable_prefix(held, new, ring)),
+                        ("whole_prefix", branch)):
             _, kv = logits(held, spec)
-            out = logits(new[n:], spec, n, kv)[0][n_p - n:]
+            out = logits(new[n:], spec, n, kv)[0][branch - n:]
             row |= {f"{name}_reused": n, f"{name}_vs_fresh_kl": kl(fresh, out),
                     f"{name}_vs_fresh_max_abs": float(np.abs(out - fresh).max()),
                     f"{name}_vs_fresh_top1": float(np.mean(out.argmax(-1) == fresh.argmax(-1))),
