@@ -110,6 +110,11 @@ def test_batch_generate_returns_one_result_per_prompt(text_model):
 def test_context_limits(text_model):
     with pytest.raises(TqjaxError, match="longer than the context"):
         tqjax.generate(text_model, "x" * 30, ctx_size=16)
+    n = len(text_model.tokenizer.encode("x" * 15))
+    with pytest.raises(TqjaxError, match=f"prompt is {n} tokens, the whole context size {n}: "
+                                         "no room to generate"):
+        tqjax.generate(text_model, "x" * 15, ctx_size=n)
+    assert tqjax.generate(text_model, "x" * 15, ctx_size=n + 1).generated_tokens == 1
     limit = text_model.config.max_position
     for size in (1, limit + 1):  # refused, not clamped to the model's context
         with pytest.raises(TqjaxError, match=rf"outside \[2, {limit}\]"):

@@ -285,7 +285,9 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     prompts = [token_ids(p, config.vocab_size).tolist() for p in prompts]
     longest = max(len(p) for p in prompts)
     if longest >= ctx_size:
-        raise TqjaxError(f"prompt is {longest} tokens, longer than the context size {ctx_size}")
+        raise TqjaxError(f"prompt is {longest} tokens, "
+                         + (f"longer than the context size {ctx_size}" if longest > ctx_size else
+                            f"the whole context size {ctx_size}: no room to generate"))
     start = np.zeros(batch, np.int32) if cached is None else np.asarray(cached, np.int32)
     if start.shape != (batch,) or (cache is None and start.any()):
         raise TqjaxError("cached lengths need a starting cache, one per prompt")
