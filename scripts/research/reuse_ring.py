@@ -56,10 +56,10 @@ def main() -> None:
 
     n_p = args.prefix
     for draw in range(args.draws):
-        off = 5000 + 3000 * draw
+        off, third = 2000 + 3000 * draw, len(text) // 3
         prefix = text[off:off + n_p]
-        held = prefix + text[off + 20000:off + 20096]
-        new = prefix + text[off + 40000:off + 40096]
+        held = prefix + text[off + third:off + third + 96]
+        new = prefix + text[off + 2 * third:off + 2 * third + 96]
         branch = pc.common_prefix(held, new)  # n_p, or more where the tails start alike
         fresh = logits(new, spec)[0][branch:]
         ref = logits(new, f32)[0][branch:]
