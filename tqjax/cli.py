@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -28,8 +29,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (a bandwidth, a timeout); inf and nan are refused."""
-    import math
-
     try:
         value = float(text)
     except ValueError:
