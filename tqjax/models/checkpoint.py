@@ -395,7 +395,6 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     return meta
 
 
-
 def verify_files(path: Path, meta: dict[str, Any]) -> None:
     """Every file listed in quantization.json exists with its recorded size and sha256."""
     files = meta.get("files")

@@ -167,7 +167,6 @@ def save_sharded(path: str | Path, params: Params, config: ModelConfig,
     return info
 
 
-
 def _dense_as(abstract: Params, dtype: Any) -> Params:
     """The abstract params with every dense floating array (embedding, norms, biases, dense
     weights) as `dtype`; quantized weights' parts and the RoPE frequencies keep theirs."""
