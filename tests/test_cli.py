@@ -301,10 +301,13 @@ def test_a_signal_while_the_decode_step_compiles_exits_cleanly(sig, code):
     import signal
     import time
 
+    def as_in_a_terminal() -> None:  # (an xdist worker ignores SIGINT; its children inherit it)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", TQJAX_XLA_CACHE="0")
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "-p",
                              "Once upon a time,", "-n", "300"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=as_in_a_terminal)
     assert proc.stdout.read(1), proc.stderr.read()  # the first token is out
     time.sleep(2.0)
     sent = time.perf_counter()
