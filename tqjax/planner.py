@@ -171,7 +171,7 @@ def _tensor_table(path: Path) -> tuple[ModelConfig, dict[str, loading.StoredTens
         meta, tensors = loading.read_gguf(path)
         config = loading.config_from_gguf(meta, has_output_weight="lm_head.weight" in tensors)
         return config, tensors
-    if (path / checkpoint.QUANT_FILE).is_file() or (path / orbax_checkpoint.META_FILE).is_file():
+    if checkpoint.is_quantized_checkpoint(path) or orbax_checkpoint.is_orbax_checkpoint(path):
         raise TqjaxError(f"{path} is a tqjax checkpoint of finished weights; the planner reads "
                          f"the model it was made from (a name, a .gguf or an HF directory) and "
                          f"plans every weights preset for it")

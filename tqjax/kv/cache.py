@@ -303,6 +303,10 @@ class KVCache:
         return jax.tree_util.tree_leaves(self.groups[0].k)[0].shape[3]
 
     @property
+    def kv_heads(self) -> int:
+        return jax.tree_util.tree_leaves(self.groups[0].k)[0].shape[2]
+
+    @property
     def batch(self) -> int:
         return jax.tree_util.tree_leaves(self.groups[0].k)[0].shape[1]
 

@@ -302,16 +302,14 @@ def _check_chunk(config: ModelConfig, tokens: jax.Array, start: jax.Array,
     """`forward`'s shapes (static, so checked as it is traced): a mismatch XLA would run
     anyway, clamping a cache row or slot index, is a TqjaxError here. (Positions are traced:
     start + T <= the cache's slots is the caller's to keep; `prefill` checks it.)"""
-    shape = lambda x: tuple(getattr(x, "shape", ()))  # noqa: E731
-    if len(shape(tokens)) != 2 or shape(start) != shape(tokens)[:1]:
+    if np.ndim(tokens) != 2 or np.shape(start) != np.shape(tokens)[:1]:
         raise TqjaxError(f"forward takes tokens [B, T] and start [B], got shapes "
-                         f"{shape(tokens)} and {shape(start)}")
-    b, t = shape(tokens)
-    heads = jax.tree_util.tree_leaves(cache.groups[0].k)[0].shape[2]
-    if (cache.batch, heads) != (b, config.num_kv_heads) or cache.slots < t:
-        raise TqjaxError(f"a cache of batch {cache.batch}, {heads} KV heads and {cache.slots} "
-                         f"slots for a chunk of batch {b} and {t} tokens of a model with "
-                         f"{config.num_kv_heads} KV heads")
+                         f"{np.shape(tokens)} and {np.shape(start)}")
+    b, t = np.shape(tokens)
+    if (cache.batch, cache.kv_heads) != (b, config.num_kv_heads) or cache.slots < t:
+        raise TqjaxError(f"a cache of batch {cache.batch}, {cache.kv_heads} KV heads and "
+                         f"{cache.slots} slots for a chunk of batch {b} and {t} tokens of a "
+                         f"model with {config.num_kv_heads} KV heads")
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, start: jax.Array,
