@@ -164,3 +164,17 @@ def test_sigterm_removes_the_half_built_folder(tmp_path):
     assert proc.wait(60) == 143, proc.stderr.read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert (dest / "old").read_text() == "previous"
+
+
+def test_read_json_says_missing_for_a_missing_file_and_corrupt_for_a_corrupt_one(tmp_path):
+    from tqjax.errors import TqjaxError
+
+    with pytest.raises(TqjaxError, match=r"^cannot read .*nowhere\.json: No such file"):
+        atomic.read_json(tmp_path / "nowhere.json")
+    (tmp_path / "half.json").write_text('{"a": ')
+    with pytest.raises(TqjaxError, match=r"half\.json \(corrupt\?\)"):
+        atomic.read_json(tmp_path / "half.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(TqjaxError, match="expected a JSON dict, found a list"):
+        atomic.read_json(tmp_path / "list.json", dict)
+    assert atomic.read_json(tmp_path / "list.json") == [1]

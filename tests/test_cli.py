@@ -58,6 +58,19 @@ def test_generate_json(tiny_model):
     assert len(out["token_ids"]) == 5
 
 
+def test_a_closed_stdout_ends_generate_quietly(tiny_model):
+    """`generate.py | head -c1`: the reader goes away after the first token; generate stops
+    with 141 (a shell's code for SIGPIPE) and no message (it printed "error: Broken pipe")."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m",
+                             str(tiny_model), "-p", "hello", "-n", "200"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(1), proc.stderr.read()
+    proc.stdout.close()  # before the decode step has compiled, so later tokens meet a closed pipe
+    assert proc.wait(120) == 141, proc.stderr.read()
+    assert proc.stderr.read() == b""
+
+
 def test_missing_model_file(tmp_path):
     assert_user_error(run("generate.py", "--model", tmp_path / "nope.gguf"), "no such")
 

@@ -183,9 +183,10 @@ def read_json(path: str | Path, kind: type | None = None) -> Any:  # noqa: ANN40
     top level is not a `kind`, e.g. dict) is a TqjaxError with one line."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TqjaxError(f"cannot read {path} (corrupt?): {getattr(e, 'strerror', None) or e}"
-                         ) from None
+    except OSError as e:
+        raise TqjaxError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TqjaxError(f"cannot read {path} (corrupt?): {e}") from None
     if kind is not None and not isinstance(data, kind):
         raise TqjaxError(f"cannot read {path}: expected a JSON {kind.__name__}, "
                          f"found a {type(data).__name__}")

@@ -190,6 +190,9 @@ def run_main(main: Callable[[], int | None]) -> None:
         code = main()
     except KeyboardInterrupt:
         _exit_now(130)
+    except BrokenPipeError:  # stdout's reader went away (`generate.py | head`): stop quietly
+        _stdout_to_null()
+        _exit_now(141)
     except _Terminated as e:
         _exit_now(e.code)
     except Exception as e:
@@ -223,6 +226,16 @@ def _exit_now(code: int) -> None:
         except (OSError, ValueError):  # (a closed pipe or stream)
             pass
     os._exit(code)
+
+
+def _stdout_to_null() -> None:
+    """Point stdout's descriptor at /dev/null, so that the flush at exit does not raise again
+    on a closed pipe (the recipe in Python's `signal` docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def print_json(obj: dict) -> None:
