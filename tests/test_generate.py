@@ -254,6 +254,42 @@ def test_an_empty_system_message_is_kept(tmp_path):
         encode_prompt(model, "hi", system="")
 
 
+def test_a_conversation_goes_through_the_chat_template_and_a_session_reuses_it(tmp_path):
+    """A list of messages is rendered by the model's template (a multi-turn chat: Session
+    had only a one-message chat=True); the second turn prefills only what is new and gives
+    what a fresh run gives."""
+    import shutil
+
+    from tqjax.api import encode_prompt
+
+    d = tmp_path / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(
+        '{"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}'
+        '{% if add_generation_prompt %}<assistant>{% endif %}"}')
+    model = tqjax.load(d)
+    tok = model.tokenizer
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    assert encode_prompt(model, chat) == tok.encode("<system>S<user>hi<assistant>",
+                                                    add_bos=False)
+    assert encode_prompt(model, chat, chat=True) == encode_prompt(model, chat)
+    s = tqjax.Session(model, cache="f32", ctx_size=128)
+    first = s.generate(chat, max_new_tokens=4)
+    chat2 = chat + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    second = s.generate(chat2, max_new_tokens=4)
+    assert second.cached_tokens >= len(encode_prompt(model, chat)), first.token_ids
+    fresh = tqjax.generate(model, chat2, max_new_tokens=4, ctx_size=128)
+    assert second.token_ids == fresh.token_ids and fresh.cached_tokens == 0
+    for bad, needle in (([{"role": "user", "content": 5}], r"messages\[0\]: content must be"),
+                        ([{"role": "bot", "content": "x"}], r"messages\[0\]: role must be"),
+                        ([{"role": "user", "content": "x"}, "y"], r"messages\[1\] is a str")):
+        with pytest.raises(TqjaxError, match=needle):
+            encode_prompt(model, bad)
+    with pytest.raises(TqjaxError, match="begin the messages with a system message"):
+        encode_prompt(model, chat, chat=True, system="S")
+
+
 def test_the_chat_template_needs_text(text_model):
     with pytest.raises(TqjaxError, match="text prompt"):  # (token ids skipped it silently)
         tqjax.generate(text_model, [1, 2, 3], max_new_tokens=2, chat=True)

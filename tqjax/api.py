@@ -4,7 +4,7 @@ CI)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -242,23 +242,57 @@ def check_options(stop: Sequence[str] = (), chat: bool = False, system: str | No
     return stop
 
 
-def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False,
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def encode_prompt(model: Model, prompt: Prompt, chat: bool = False,
                   system: str | None = None) -> list[int]:
-    """Token ids for a prompt (ids pass through); `chat` applies the chat template, with
-    `system` as its system message (a TqjaxError without `chat`)."""
+    """Token ids for a prompt: ids pass through; text is encoded, through the chat template
+    with `chat` (and `system` as its system message); a conversation, a list of messages
+    ``{"role": "system" | "user" | "assistant", "content": str}``, always goes through the
+    chat template, ready for the assistant's next turn."""
     check_options(chat=chat, system=system)
-    if not isinstance(prompt, str):
+    messages = _messages(prompt)
+    if messages is None and not isinstance(prompt, str):
         if chat:
-            raise TqjaxError("the chat template needs a text prompt, not token ids")
+            raise TqjaxError("the chat template needs a text prompt or messages, not token ids")
         return check_ids(prompt, model.config.vocab_size).tolist()
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; pass token ids instead of text")
-    if chat:
+    if messages is not None:
+        if system is not None:
+            raise TqjaxError("system= goes with a text prompt; begin the messages with a "
+                             "system message instead")
+    elif chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": prompt}]
-        text = model.tokenizer.apply_chat_template(messages)
-        return model.tokenizer.encode(text, add_bos=False)
-    return model.tokenizer.encode(prompt)
+    else:
+        return model.tokenizer.encode(prompt)
+    text = model.tokenizer.apply_chat_template(messages)
+    return model.tokenizer.encode(text, add_bos=False)
+
+
+def _messages(prompt: object) -> list[dict[str, str]] | None:
+    """A conversation's messages as plain dicts, checked; None when `prompt` is not one (a
+    list with no mapping in it)."""
+    if (isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence)
+            or not any(isinstance(m, Mapping) for m in prompt)):
+        return None
+    out = []
+    for i, m in enumerate(prompt):
+        if not isinstance(m, Mapping):
+            raise TqjaxError(f"messages[{i}] is a {type(m).__name__}, not a message "
+                             '({"role": ..., "content": ...})')
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise TqjaxError(f"messages[{i}]: role must be one of {', '.join(CHAT_ROLES)}; "
+                             f"got {role!r}")
+        if not isinstance(content, str):
+            raise TqjaxError(f"messages[{i}]: content must be a string, got "
+                             f"{type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
 
 
 class _TextStream:
@@ -331,7 +365,7 @@ def _context(model: Model, ctx_size: int | None) -> int:
     return ctx_size or limit
 
 
-def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
+def generate(model: Model, prompt: Prompt | list[str], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
              stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
@@ -345,7 +379,9 @@ def generate(model: Model, prompt: str | Sequence[int] | list[str], *,
     only: with a batch it is a TqjaxError).
     `stop`: strings that end the text (a lone string is one; an empty one is a TqjaxError).
     `chat` applies the chat template, with `system` as its system message (a TqjaxError
-    without `chat`). `ctx_size`: the context, the model's by default; outside [2, the
+    without `chat`); a list of messages (``{"role": "user", "content": "..."}``, roles
+    system/user/assistant) is a conversation, rendered by the chat template.
+    `ctx_size`: the context, the model's by default; outside [2, the
     model's] a TqjaxError.
     `context_shift`: when a sequence fills the context (`ctx_size`), keep its first `n_keep`
     tokens (-1: the whole prompt), drop half of the rest and go on, like llama.cpp (dense
@@ -404,6 +440,14 @@ class Session:
         s = tqjax.Session(model, cache=tqjax.CacheSpec("turbo4"))
         a = s.generate(system_prompt + question_1)   # prefills everything
         b = s.generate(system_prompt + question_2)   # prefills only question_2
+
+    A multi-turn chat passes the conversation so far; each turn prefills only what is new:
+
+        chat = [{"role": "user", "content": "Name a prime."}]
+        r = s.generate(chat)
+        chat += [{"role": "assistant", "content": r.text},
+                 {"role": "user", "content": "And the next one?"}]
+        r = s.generate(chat)                          # r.cached_tokens: the first turn
     """
 
     def __init__(self, model: Model, cache: CacheSpec | str = CacheSpec(),
@@ -418,7 +462,7 @@ class Session:
         """Forget the cache."""
         self._kv, self.tokens = None, []
 
-    def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
+    def generate(self, prompt: Prompt, *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
                  stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
