@@ -341,6 +341,28 @@ def test_max_queue_counts_requests_beyond_the_free_slots(model, monkeypatch, max
         srv.close()
 
 
+def test_prompts_are_tokenized_off_the_event_loop(model, live, monkeypatch):
+    """Tokenizing a long prompt (1 MB: ~1.5 s with Qwen's tokenizer) ran on the event loop,
+    holding every other stream still; now it runs in a worker thread, with the GIL released."""
+    calls = []
+    encode = model.tokenizer.encode
+    ab = encode("ab", add_bos=False)
+
+    def spy(text, add_bos=None, release_gil=False):
+        calls.append((threading.current_thread() is threading.main_thread()
+                      or threading.current_thread() is live.thread, release_gil))
+        return encode(text, add_bos, release_gil)
+
+    monkeypatch.setattr(model.tokenizer, "encode", spy)
+    r = post(live.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = post(live.url + "/v1/chat/completions",
+             json={"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert post(live.url + "/tokenize", json={"content": "ab"}).json()["tokens"] == ab
+    assert calls == [(False, True)] * 3
+
+
 def test_invalid_chat_messages_are_400_naming_the_field(live):
     url = live.url + "/v1/chat/completions"
     cases = [

@@ -230,5 +230,8 @@ def test_llama3_tokenizer_json_bos_matches_hf(case, tmp_path):
         assert tok.encode(text) == item["hf_ids"], text
         assert tok.encode(text, add_bos=False) == item["hf_ids_no_special"], text
         assert tok.encode(text, add_bos=True) == [bos, *item["hf_ids_no_special"]], text
+        for add_bos in (None, False, True):  # the server's call (in a worker thread)
+            assert (tok.encode(text, add_bos, release_gil=True)
+                    == tok.encode(text, add_bos)), text
     # Llama 3: the BOS is there by default, from the post-processor
     assert (tok.encode("Hello")[0] == bos) == spec["post_processor"]

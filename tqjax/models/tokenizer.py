@@ -70,10 +70,14 @@ class Tokenizer:
     def is_sentencepiece(self) -> bool:
         return not hasattr(self.backend, "encode_batch")
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, release_gil: bool = False
+               ) -> list[int]:
         """Token ids of `text`. By default the tokenizer's own configuration decides the special
         tokens (a `tokenizers` post-processor: exactly HF's `tokenizer(text).input_ids`; for a
-        sentencepiece model, `add_bos`); add_bos=False adds none, add_bos=True only a BOS."""
+        sentencepiece model, `add_bos`); add_bos=False adds none, add_bos=True only a BOS.
+        `release_gil`: the same ids, through `tokenizers`' batch call, which lets other Python
+        threads run meanwhile (the server tokenizes in a worker thread: a 1 MB prompt takes
+        ~1.5 s, which held every stream still)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate (bad bytes in argv, "\ud800" in JSON)
@@ -81,6 +85,10 @@ class Tokenizer:
                              f"{e.start}") from None
         if self.is_sentencepiece:
             ids = list(self.backend.encode(text))
+        elif release_gil:
+            ids = self.backend.encode_batch([text], add_special_tokens=add_bos is None)[0].ids
+            if add_bos is None:
+                return ids
         elif add_bos is None:
             return self.backend.encode(text, add_special_tokens=True).ids
         else:

@@ -250,6 +250,11 @@ class Server:
 
     # ---- generation ----
 
+    async def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of a request's text, computed in a worker thread that lets the event loop
+        run meanwhile (other requests' streams go on)."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_bos, True)
+
     def _limit(self, max_tokens: int | None, default: int) -> int:
         n = default if max_tokens is None else max_tokens
         if n > self.engine.ctx_size:
@@ -352,7 +357,7 @@ class Server:
             if len(prompt) != 1:
                 raise ApiError(400, "one prompt per request", param="prompt")
             prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, "empty prompt", param="prompt")
         sampling, stop = _sampling(body), _stops(body)
@@ -407,8 +412,7 @@ class Server:
             role = "system" if m.role == "developer" else m.role
             messages.append({"role": role, "content": content or ""})
         try:
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages),
-                                        add_bos=False)
+            ids = await self.encode(self.tokenizer.apply_chat_template(messages), False)
         except TqjaxError as e:
             raise ApiError(400, str(e), param="messages") from None
         sampling, stop = _sampling(body), _stops(body)
@@ -599,7 +603,7 @@ def create_app(server: Server, shutdown_grace_s: float = 10.0) -> FastAPI:
     async def tokenize(request: Request) -> dict:
         body: TokenizeRequest = _validate(TokenizeRequest, await request.body())
         add = None if body.add_special else False
-        return {"tokens": server.tokenizer.encode(body.content, add_bos=add)}
+        return {"tokens": await server.encode(body.content, add)}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
