@@ -42,13 +42,14 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("text,want", [("8GiB", 8 * 2**30), ("7.5GB", 7_500_000_000),
-                                       ("512 MiB", 512 * 2**20), ("123456", 123456),
+                                       ("512 MiB", 512 * 2**20), ("12345678", 12345678),
                                        ("2kib", 2048), (4096, 4096)])
 def test_parse_bytes(text, want):
     assert planner.parse_bytes(text) == want
 
 
-@pytest.mark.parametrize("bad", ["8XB", "-1GiB", "0", "GiB", "", "1e9", "8 GiB extra", -5])
+@pytest.mark.parametrize("bad", ["8XB", "-1GiB", "0", "GiB", "", "1e9", "8 GiB extra", -5,
+                                 "8", "1048575"])  # (no unit: 8 bytes was meant as 8 GB)
 def test_parse_bytes_rejects(bad):
     with pytest.raises(TqjaxError) as e:
         planner.parse_bytes(bad)

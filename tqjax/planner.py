@@ -152,7 +152,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(text: str | int) -> int:
-    """'8GiB', '7.5 GB', '512MiB', '123456' -> bytes (decimal GB, binary GiB)."""
+    """'8GiB', '7.5 GB', '512MiB', '12345678' -> bytes (decimal GB, binary GiB). A number
+    with no unit is bytes, but under 1 MiB it is refused as a missing unit ('8' is 8 bytes,
+    not 8 GB)."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
@@ -160,6 +162,9 @@ def parse_bytes(text: str | int) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise TqjaxError(f"cannot read memory size {text!r} (e.g. 8GiB, 7.5GB, 512MiB)")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if not m.group(2) and 0 < value < 2**20:
+            raise TqjaxError(f"memory size {text!r} has no unit and would be {value} bytes; "
+                             f"give one (e.g. {m.group(1)}GiB or {m.group(1)}GB)")
     if value <= 0:
         raise TqjaxError(f"memory size must be positive, got {text!r}")
     return value
