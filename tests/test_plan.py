@@ -127,6 +127,10 @@ def test_plan_is_the_largest_that_fits(tiny, monkeypatch):
         row = planner.plan(tiny, budget, context=64, weights=(w,), kv=(kv,)).rows[0]
         b = row.max_batch
         assert 1.1 * peak(w, kv, b, 64) <= budget < 1.1 * peak(w, kv, b + 1, 64)
+    # a budget past 65536 sequences: the batch is not capped there (it was, silently)
+    budget = math.ceil(1.1 * round(peak("f32", "f32", 100_000, 64))) + 1
+    row = planner.plan(tiny, budget, context=64, weights=("f32",), kv=("f32",)).rows[0]
+    assert row.max_batch == 100_000, row.max_batch
     assert planner.plan(tiny, 1000, weights=("f32",), kv=("f32",)).rows[0].max_context == 0
 
 

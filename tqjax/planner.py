@@ -314,7 +314,10 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int,
         ctx = ctx // PREFILL_CHUNK * PREFILL_CHUNK
     max_batch, top = None, peak(batch, max(ctx, 1))
     if context is not None:
-        max_batch = max(0, _largest(lambda b: fits(b, context), 1, 1 << 16))
+        hi = 1  # (doubled while it fits: the largest batch has no cap; 2**16 was one)
+        while hi < 1 << 40 and fits(hi * 2, context):
+            hi *= 2
+        max_batch = max(0, _largest(lambda b: fits(b, context), 1, hi * 2))
         top = peak(max(max_batch, 1), context)
     return PresetPlan(weights, kv, params, kvb[0], kvb[1] + kvb[2],
                       runtime_bytes(config, batch, max(ctx, 1), weights, calib),
