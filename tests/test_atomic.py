@@ -178,3 +178,35 @@ def test_read_json_says_missing_for_a_missing_file_and_corrupt_for_a_corrupt_one
     with pytest.raises(TqjaxError, match="expected a JSON dict, found a list"):
         atomic.read_json(tmp_path / "list.json", dict)
     assert atomic.read_json(tmp_path / "list.json") == [1]
+
+
+def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
+    """kill -9 leaves the hidden temp folder (no unwinding); the next write to the same target
+    removes it. A live writer's temp beside it (here, the parent process's) is kept."""
+    dest = tmp_path / "out"
+    script = ("import time\n"
+              "from tqjax.atomic import replace_dir\n"
+              "def build(tmp):\n"
+              "    (tmp / 'part').write_text('half')\n"
+              "    time.sleep(120)\n"
+              f"replace_dir({str(dest)!r}, build)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob(".out.*/part")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(60)
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".out.tmp-"), left
+    live = tmp_path / (atomic._temp_prefix(dest).replace(f"-{os.getpid()}-",
+                                                         f"-{os.getppid()}-") + "x")
+    live.mkdir()
+    other = tmp_path / ".outer.tmp-x-1-y"  # another target's: not this write's to judge
+    other.mkdir()
+    atomic.replace_dir(dest, lambda tmp: (tmp / "new").write_text("whole"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "out"])
+    assert (dest / "new").read_text() == "whole"
+    with atomic.atomic_path(tmp_path / "f") as tmp:  # files too
+        tmp.write_text("x")
+        assert tmp.name.startswith(".f.tmp-")

@@ -1,5 +1,6 @@
 """Atomic file writes: write next to the target, fsync, then rename over it, so a crash never
-leaves a partial file (or folder) behind; and the one checked read of a JSON file."""
+leaves a partial file (or folder) in its place (the hidden temp a kill -9 leaves beside it is
+removed by the next write to that target); and the one checked read of a JSON file."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -39,7 +42,8 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     dest = Path(dest)
     with _about(dest):
         _make_parents(dest)
-        fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        _sweep_stale(dest)
+        fd, name = tempfile.mkstemp(prefix=_temp_prefix(dest), suffix=".tmp", dir=dest.parent)
         os.close(fd)
         tmp = Path(name)
         try:
@@ -52,6 +56,46 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
             raise
     fsync_dir(dest.parent)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
+def _temp_prefix(dest: Path) -> str:
+    """A temp name beside `dest` that says whose it is: `.<name>.tmp-<host>-<pid>-`."""
+    return f".{dest.name}.tmp-{_host()}-{os.getpid()}-"
+
+
+def _sweep_stale(dest: Path) -> None:
+    """Remove the temp files and folders beside `dest` left by a writer on this host that
+    died without unwinding (kill -9, power loss): a quantize killed so left a hidden folder
+    of its size. Those of live processes (a writer running now) are kept."""
+    pattern = re.compile(re.escape(f".{dest.name}.tmp-{_host()}-") + r"(\d+)-")
+    try:
+        siblings = list(dest.parent.iterdir())
+    except OSError:
+        return
+    for path in siblings:
+        m = pattern.match(path.name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
 
 
 def _make_parents(dest: Path) -> None:
@@ -151,7 +195,8 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     with _about(dest):
         _make_parents(dest)
         recover_dir(dest)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        _sweep_stale(dest)
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest), dir=dest.parent))
     old = dest.parent / f".{dest.name}.old"
     try:
         build(tmp)
