@@ -180,33 +180,52 @@ def test_read_json_says_missing_for_a_missing_file_and_corrupt_for_a_corrupt_one
     assert atomic.read_json(tmp_path / "list.json") == [1]
 
 
-def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
-    """kill -9 leaves the hidden temp folder (no unwinding); the next write to the same target
-    removes it. A live writer's temp beside it (here, the parent process's) is kept."""
-    dest = tmp_path / "out"
+def _writer(dest, tmp_path, sleep_s=120):
+    """A child process in the middle of a `replace_dir` to `dest`; returns it and its temp."""
     script = ("import time\n"
               "from tqjax.atomic import replace_dir\n"
               "def build(tmp):\n"
               "    (tmp / 'part').write_text('half')\n"
-              "    time.sleep(120)\n"
+              f"    time.sleep({sleep_s})\n"
               f"replace_dir({str(dest)!r}, build)\n")
+    before = set(tmp_path.glob(f".{dest.name}.*/part"))
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not any(tmp_path.glob(".out.*/part")):
+    while not (found := list(set(tmp_path.glob(f".{dest.name}.*/part")) - before)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.05)
-    proc.kill()
-    proc.wait(60)
-    left = [p.name for p in tmp_path.iterdir()]
-    assert len(left) == 1 and left[0].startswith(".out.tmp-"), left
-    live = tmp_path / (atomic._temp_prefix(dest).replace(f"-{os.getpid()}-",
-                                                         f"-{os.getppid()}-") + "x")
-    live.mkdir()
-    other = tmp_path / ".outer.tmp-x-1-y"  # another target's: not this write's to judge
+    return proc, found[0].parent
+
+
+def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
+    """kill -9 leaves the hidden temp folder (no unwinding); the next write to the same target
+    removes it once it is a minute old. A live writer's temp (it holds a lock on it) is kept,
+    however old, and so are other targets' temps and young ones."""
+    dest = tmp_path / "out"
+    dead, dead_tmp = _writer(dest, tmp_path)
+    dead.kill()
+    dead.wait(60)
+    live, live_tmp = _writer(dest, tmp_path)
+    young = tmp_path / ".out.abcdefgh.tmp"  # no lock yet, just made: a writer's first moment
+    young.write_text("x")
+    other = tmp_path / ".out.abcdefgh.ijklmnop"  # the temp of a target named "out.abcdefgh"
     other.mkdir()
-    atomic.replace_dir(dest, lambda tmp: (tmp / "new").write_text("whole"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "out"])
-    assert (dest / "new").read_text() == "whole"
-    with atomic.atomic_path(tmp_path / "f") as tmp:  # files too
-        tmp.write_text("x")
-        assert tmp.name.startswith(".f.tmp-")
+    old = time.time() - 3600
+    for p in (dead_tmp, live_tmp, other):
+        os.utime(p, (old, old))
+    try:
+        atomic.replace_dir(dest, lambda tmp: (tmp / "new").write_text("whole"))
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted([live_tmp.name, young.name, other.name, "out"]), left
+        assert (dest / "new").read_text() == "whole"
+    finally:
+        live.kill()
+        live.wait(60)
+    os.utime(young, (old, old))
+    atomic.replace_dir(dest, lambda tmp: None)  # the writer is dead now; the old file goes too
+    assert not young.exists() and not live_tmp.exists()
+    stale = tmp_path / ".f.abcdefgh.tmp"  # a file target's own temp file
+    stale.write_text("half")
+    os.utime(stale, (old, old))
+    atomic.write_text(tmp_path / "f", "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", "f", other.name])

@@ -10,9 +10,9 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,11 +43,12 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     with _about(dest):
         _make_parents(dest)
         _sweep_stale(dest)
-        fd, name = tempfile.mkstemp(prefix=_temp_prefix(dest), suffix=".tmp", dir=dest.parent)
+        fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         os.close(fd)
         tmp = Path(name)
         try:
-            yield tmp
+            with _held(tmp):
+                yield tmp
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
@@ -58,44 +59,58 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     fsync_dir(dest.parent)
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+TEMP_RANDOM = 8  # the random part of tempfile's names
+STALE_AFTER_S = 60.0  # a temp younger than this may be a writer's that has not locked it yet
 
 
-def _temp_prefix(dest: Path) -> str:
-    """A temp name beside `dest` that says whose it is: `.<name>.tmp-<host>-<pid>-`."""
-    return f".{dest.name}.tmp-{_host()}-{os.getpid()}-"
+@contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """Hold an advisory lock on a temp file or folder while it is written: the kernel drops it
+    when the process dies, however it dies, so a later writer can tell a dead writer's temp
+    (unlocked) from a live one's, in any PID namespace and, where locks work, on NFS."""
+    fd = None
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):
+        pass  # (no locks here: the temp is then not swept, as before)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _sweep_stale(dest: Path) -> None:
-    """Remove the temp files and folders beside `dest` left by a writer on this host that
-    died without unwinding (kill -9, power loss): a quantize killed so left a hidden folder
-    of its size. Those of live processes (a writer running now) are kept."""
-    pattern = re.compile(re.escape(f".{dest.name}.tmp-{_host()}-") + r"(\d+)-")
+    """Remove the temps beside `dest` (its own names only: `.<name>.` + 8 random characters
+    [+ `.tmp`]) that no live writer holds (`_held`), left by a writer killed without unwinding
+    (kill -9, a lost machine): a quantize killed so left a hidden folder of its output's size.
+    Best effort: what cannot be checked or removed (another user's file) is left."""
     try:
-        siblings = list(dest.parent.iterdir())
-    except OSError:
+        import fcntl
+
+        pattern = re.compile(re.escape(f".{dest.name}.") + rf"[A-Za-z0-9_]{{{TEMP_RANDOM}}}"
+                             r"(\.tmp)?")
+        siblings = [p for p in dest.parent.iterdir() if pattern.fullmatch(p.name)]
+    except (ImportError, OSError):
         return
     for path in siblings:
-        m = pattern.match(path.name)
-        if not m or _alive(int(m.group(1))):
+        try:
+            if path.is_symlink() or time.time() - path.stat().st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises while a writer holds it)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink()
+            finally:
+                os.close(fd)
+        except OSError:
             continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # (another user's process: alive)
-        return True
-    return True
 
 
 def _make_parents(dest: Path) -> None:
@@ -196,7 +211,12 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
         _make_parents(dest)
         recover_dir(dest)
         _sweep_stale(dest)
-        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest), dir=dest.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    with _held(tmp):
+        _build_and_swap(dest, tmp, build)
+
+
+def _build_and_swap(dest: Path, tmp: Path, build: Callable[[Path], None]) -> None:
     old = dest.parent / f".{dest.name}.old"
     try:
         build(tmp)
