@@ -71,6 +71,28 @@ def test_a_closed_stdout_ends_generate_quietly(tiny_model):
     assert proc.stderr.read() == b""
 
 
+def test_output_left_in_stdouts_buffer_meets_a_closed_pipe_quietly():
+    """Output still buffered when the command returns (generate's last newline) met the closed
+    pipe in the interpreter's exit flush: exit 120 and "Exception ignored ... BrokenPipeError"
+    (with PYTHONUNBUFFERED unset, as in a shell). A broken pipe that is not stdout's stays an
+    error."""
+    env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)
+    code = ("import sys\nfrom tqjax.cli import run_main\n"
+            "def main():\n    sys.stdout.write('buffered text\\n')\n    return 0\n"
+            "run_main(main)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it writes anything
+    assert proc.wait(60) == 141, proc.stderr.read()
+    assert proc.stderr.read() == b""
+    code = ("import os\nfrom tqjax.cli import run_main\n"
+            "def main():\n    r, w = os.pipe()\n    os.close(r)\n    os.write(w, b'x')\n"
+            "run_main(main)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+    assert proc.returncode == 2 and proc.stderr == b"error: Broken pipe\n", proc.stderr
+
+
 def test_missing_model_file(tmp_path):
     assert_user_error(run("generate.py", "--model", tmp_path / "nope.gguf"), "no such")
 

@@ -188,14 +188,15 @@ def run_main(main: Callable[[], int | None]) -> None:
         previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         code = main()
+        sys.stdout.flush()  # (here, not at exit: a closed pipe must meet the handler below)
     except KeyboardInterrupt:
         _exit_now(130)
-    except BrokenPipeError:  # stdout's reader went away (`generate.py | head`): stop quietly
-        _stdout_to_null()
-        _exit_now(141)
     except _Terminated as e:
         _exit_now(e.code)
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            _stdout_to_null()  # stdout's reader went away (`generate.py | head`): stop quietly
+            _exit_now(141)
         message = user_error_text(e)
         if message is None:
             raise
@@ -226,6 +227,18 @@ def _exit_now(code: int) -> None:
         except (OSError, ValueError):  # (a closed pipe or stream)
             pass
     os._exit(code)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on it)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # (no poll here, or no real stdout)
+        return False
 
 
 def _stdout_to_null() -> None:
