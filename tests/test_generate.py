@@ -288,6 +288,12 @@ def test_a_conversation_goes_through_the_chat_template_and_a_session_reuses_it(t
             encode_prompt(model, bad)
     with pytest.raises(TqjaxError, match="begin the messages with a system message"):
         encode_prompt(model, chat, chat=True, system="S")
+    batch = tqjax.generate(model, [chat, "plain text"], max_new_tokens=4, ctx_size=128)
+    assert batch[0].token_ids == tqjax.generate(model, chat, max_new_tokens=4,
+                                                ctx_size=128).token_ids
+    (d / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(TqjaxError, match="no chat template, so it takes no conversation"):
+        encode_prompt(tqjax.load(d), chat)
 
 
 def test_the_chat_template_needs_text(text_model):

@@ -49,7 +49,7 @@ def test_parse_bytes(text, want):
 
 
 @pytest.mark.parametrize("bad", ["8XB", "-1GiB", "0", "GiB", "", "1e9", "8 GiB extra", -5,
-                                 "8", "1048575"])  # (no unit: 8 bytes was meant as 8 GB)
+                                 "8", "1048575", ".5", "1.5"])  # (no unit: 8 GB was meant)
 def test_parse_bytes_rejects(bad):
     with pytest.raises(TqjaxError) as e:
         planner.parse_bytes(bad)

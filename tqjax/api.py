@@ -261,6 +261,9 @@ def encode_prompt(model: Model, prompt: Prompt, chat: bool = False,
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; pass token ids instead of text")
     if messages is not None:
+        if not model.tokenizer.chat_template:
+            raise TqjaxError(f"{model.source} has no chat template, so it takes no "
+                             f"conversation (a list of messages); pass text instead")
         if system is not None:
             raise TqjaxError("system= goes with a text prompt; begin the messages with a "
                              "system message instead")
@@ -373,7 +376,8 @@ def generate(model: Model, prompt: Prompt | list[str], *,
              on_text: Callable[[str], None] | None = None, context_shift: bool = False,
              n_keep: int = 0, prompt_cache: str | Path | None = None,
              prompt_cache_ro: bool = False) -> GenerationResult | list[GenerationResult]:
-    """Generate a continuation; a list of strings is run as one batch (one result each).
+    """Generate a continuation; a list of strings (or of conversations) is run as one batch
+    (one result each).
 
     Greedy when temperature is 0. `on_text` receives streamed text pieces (a single prompt
     only: with a batch it is a TqjaxError).
@@ -396,7 +400,8 @@ def generate(model: Model, prompt: Prompt | list[str], *,
     cache = as_cache_spec(cache)
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
-    batched = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt
+    batched = (isinstance(prompt, list) and bool(prompt)
+               and all(isinstance(p, str) or _messages(p) is not None for p in prompt))
     if batched and on_text is not None:
         raise TqjaxError("on_text streams one prompt's text; a batch returns its results")
     prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]

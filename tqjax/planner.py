@@ -161,10 +161,10 @@ def parse_bytes(text: str | int) -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise TqjaxError(f"cannot read memory size {text!r} (e.g. 8GiB, 7.5GB, 512MiB)")
+        if not m.group(2) and 0 < float(m.group(1)) < 2**20:
+            raise TqjaxError(f"memory size {text!r} has no unit and would be {m.group(1)} "
+                             f"bytes; give one (e.g. {m.group(1)}GiB or {m.group(1)}GB)")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        if not m.group(2) and 0 < value < 2**20:
-            raise TqjaxError(f"memory size {text!r} has no unit and would be {value} bytes; "
-                             f"give one (e.g. {m.group(1)}GiB or {m.group(1)}GB)")
     if value <= 0:
         raise TqjaxError(f"memory size must be positive, got {text!r}")
     return value
@@ -314,7 +314,7 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int,
         ctx = ctx // PREFILL_CHUNK * PREFILL_CHUNK
     max_batch, top = None, peak(batch, max(ctx, 1))
     if context is not None:
-        hi = 1  # (doubled while it fits: the largest batch has no cap; 2**16 was one)
+        hi = 1  # (doubled while it fits, up to 2**41: 2**16 was a cap that a budget reached)
         while hi < 1 << 40 and fits(hi * 2, context):
             hi *= 2
         max_batch = max(0, _largest(lambda b: fits(b, context), 1, hi * 2))
