@@ -357,6 +357,20 @@ def test_cache_given_as_text_and_options_of_the_wrong_type(text_model):
                               ctx_size=np.int64(16)).token_ids) <= 2
 
 
+def test_prefill_speed_leaves_the_compile_out(text_model):
+    """A first call compiles its prefill; prefill_tok_s counts the prefill's time without the
+    seconds JAX reports compiling (the figure was mostly the compile); a second call of the
+    same shapes compiles nothing."""
+    jax.clear_caches()  # (another test may have compiled these shapes in this process)
+    first = tqjax.generate(text_model, "abcdefg", max_new_tokens=3, ctx_size=200)
+    again = tqjax.generate(text_model, "abcdefh", max_new_tokens=3, ctx_size=200)
+    assert 0 < first.prefill_compile_s < first.prefill_s
+    assert first.prefill_tok_s == pytest.approx(
+        first.prompt_tokens / (first.prefill_s - first.prefill_compile_s))
+    assert again.prefill_compile_s == 0.0
+    assert again.prefill_tok_s == pytest.approx(again.prompt_tokens / again.prefill_s)
+
+
 def test_a_session_keeps_its_cache_when_a_call_is_refused(text_model):
     s = tqjax.Session(text_model, cache="f32")
     first = s.generate("abcdef", max_new_tokens=3)

@@ -353,7 +353,8 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
         ids = [i for i in s.ids if i not in model.tokenizer.eos_ids]
         text, _ = st.final_text(ids)
         results.append(GenerationResult(text, s.ids, len(p), len(s.ids), s.done or "length",
-                                        prefill_s, decode_s, s.cached, s.shifts))
+                                        prefill_s, decode_s, s.cached, s.shifts,
+                                        s.prefill_compile_s))
     return results, state
 
 

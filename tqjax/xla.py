@@ -1,4 +1,5 @@
-"""The XLA flags tqjax runs with, added to XLA_FLAGS when tqjax is imported (`set_flags`).
+"""The XLA flags tqjax runs with, added to XLA_FLAGS when tqjax is imported (`set_flags`);
+the time spent compiling (`compile_timer`).
 
 `--xla_cpu_use_fusion_emitters=false`: XLA:CPU emits its fused loops as LLVM IR directly, not
 through its MLIR fusion emitters, which keep an MLIR context per fusion while a program
@@ -16,8 +17,10 @@ process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 
 import jaxlib
 
@@ -61,3 +64,42 @@ def llvm_emitters() -> bool:
 
 
 set_flags()
+
+
+# the events JAX reports for each top-level compilation: lowering to MLIR and XLA's compile
+# (tracing is left out: a nested jit's trace is reported inside its caller's, so summing the
+# trace events would count it twice)
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_timers: list[CompileTimer] = []
+_listening = False
+
+
+class CompileTimer:
+    """Seconds spent lowering and compiling programs while it is active (`compile_timer`)."""
+
+    seconds: float = 0.0
+
+
+def _on_event(name: str, seconds: float, **_: object) -> None:
+    if name in COMPILE_EVENTS:
+        for t in list(_timers):
+            t.seconds += seconds
+
+
+@contextlib.contextmanager
+def compile_timer() -> Iterator[CompileTimer]:
+    """Count the seconds JAX spends compiling (any thread) inside the `with`, so a timing can
+    leave them out: a first prefill's wall time is mostly its compile."""
+    global _listening
+    if not _listening:
+        from jax import monitoring
+
+        monitoring.register_event_duration_secs_listener(_on_event)
+        _listening = True
+    timer = CompileTimer()
+    _timers.append(timer)
+    try:
+        yield timer
+    finally:
+        _timers.remove(timer)

@@ -97,6 +97,7 @@ def run(argv: list[str] | None = None) -> int:
             "finish_reason": result.finish_reason, "cached_tokens": result.cached_tokens,
             "context_shifts": result.context_shifts,
             "prefill_tok_s": round(result.prefill_tok_s, 2),
+            "prefill_compile_s": round(result.prefill_compile_s, 3),
             "decode_tok_s": None if timed is None else round(timed, 2),
             "model": model.source, "dtype": args.dtype, "backend": args.backend,
             "cache_type_k": spec.k, "cache_type_v": spec.v,
@@ -105,7 +106,10 @@ def run(argv: list[str] | None = None) -> int:
     else:
         sys.stdout.write("\n")
         cached = f" ({result.cached_tokens} from the prompt cache)" if result.cached_tokens else ""
-        print(f"[{result.prompt_tokens} prompt tokens{cached} at {result.prefill_tok_s:.1f} tok/s, "
+        compiled = (f" (+{result.prefill_compile_s:.1f} s compiling)"
+                    if result.prefill_compile_s >= 0.05 else "")
+        print(f"[{result.prompt_tokens} prompt tokens{cached} at {result.prefill_tok_s:.1f} tok/s"
+              f"{compiled}, "
               f"{result.generated_tokens} generated"
               f"{'' if timed is None else f' at {timed:.1f} tok/s'}]",
               file=sys.stderr)
