@@ -82,6 +82,8 @@ def test_tokenizer_and_chat_template_match_hf(case):
     for item in meta["tokenization"]:
         assert model.tokenizer.encode(item["text"], add_bos=False) == item["ids"], item["text"]
         assert model.tokenizer.decode(item["ids"], skip_special=False) == item["text"]
+        # each token's own bytes (the server's logprobs), parts of characters included
+        assert b"".join(map(model.tokenizer.token_bytes, item["ids"])) == item["text"].encode()
     rendered = model.tokenizer.apply_chat_template(
         [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi!"}])
     assert rendered == meta["chat_template_rendered"]

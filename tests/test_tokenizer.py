@@ -113,6 +113,16 @@ def test_sentencepiece_gguf_matches_hf(spm_gguf):
                       " "]
 
 
+def test_sentencepiece_token_bytes_make_up_the_text(spm_gguf):
+    """Each token's bytes (byte pieces <0xNN> for what the vocabulary lacks, "▁" as a
+    space) joined are the text, with the space SentencePiece adds in front."""
+    golden = json.loads((TOK / "spm.json").read_text())
+    for item in golden["items"]:
+        ids = item["hf_ids_no_special"]
+        joined = b"".join(map(spm_gguf.token_bytes, ids)).decode("utf-8")
+        assert joined.removeprefix(" ") == spm_gguf.decode(ids, skip_special=False), item["text"]
+
+
 def test_sentencepiece_gguf_matches_sentencepiece(spm_gguf):
     sp = spm.SentencePieceProcessor(model_file=str(SPM_MODEL))
     golden = json.loads((TOK / "spm.json").read_text())
@@ -230,6 +240,8 @@ def test_llama3_tokenizer_json_bos_matches_hf(case, tmp_path):
         assert tok.encode(text) == item["hf_ids"], text
         assert tok.encode(text, add_bos=False) == item["hf_ids_no_special"], text
         assert tok.encode(text, add_bos=True) == [bos, *item["hf_ids_no_special"]], text
+        ids = tok.encode(text, add_bos=False)  # each token's bytes make up the text
+        assert b"".join(map(tok.token_bytes, ids)) == text.encode(), text
         for add_bos in (None, False, True):  # the server's call (in a worker thread)
             assert (tok.encode(text, add_bos, release_gil=True)
                     == tok.encode(text, add_bos)), text

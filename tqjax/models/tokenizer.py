@@ -6,6 +6,7 @@ with `tokenizers` the way HF transformers' GGUF loader does. Chat templates use 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -98,6 +99,40 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token `tid` stands for, a part of a character included (where decoding
+        it alone gives U+FFFD): byte-level BPE maps its symbols back to bytes, SentencePiece's
+        byte pieces (<0xE2>) are that byte and its "▁" a space; special tokens their text."""
+        if self.is_sentencepiece:
+            piece = self.backend.id_to_piece(tid)
+            if self.backend.is_byte(tid):
+                return bytes([int(piece[3:5], 16)])
+            if self.backend.is_control(tid) or self.backend.is_unknown(tid):
+                return self.backend.decode([tid]).encode("utf-8")
+            return piece.replace(SPIECE_UNDERLINE, " ").encode("utf-8")
+        piece = self.backend.id_to_token(tid)
+        if piece is None or tid in self._added_ids:
+            return self.backend.decode([tid], skip_special_tokens=False).encode("utf-8")
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace(SPIECE_UNDERLINE, " ").encode("utf-8")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the HF tokenizer's decoder maps byte-level symbols back to bytes."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [
+            decoder]
+        return any(d.get("type") == "ByteLevel" for d in parts)
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         if self.is_sentencepiece:
             return self.backend.decode(list(ids))
@@ -126,6 +161,22 @@ class Tokenizer:
                 eos_token=names.get(self.eos_ids[0], "") if self.eos_ids else "")
         except TemplateError as e:
             raise TqjaxError(f"chat template error: {e}") from None
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable stand-in of each byte -> the byte
+    (the `bytes_to_unicode` table that byte-level BPE vocabularies are written in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _bos_eos_template(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> Any:
