@@ -363,6 +363,62 @@ def test_prompts_are_tokenized_off_the_event_loop(model, live, monkeypatch):
     assert calls == [(False, True)] * 3
 
 
+def test_bodies_json_cannot_hold_are_400_and_null_fields_take_their_defaults(model, live):
+    """Deep nesting (RecursionError) and a 5000-digit integer (ValueError) were 500s; JSON null
+    for temperature, top_p, n, stream, ... was a 400 (OpenAI's client sends null for None)."""
+    from tqjax.serve.server import ApiError, CompletionRequest, _validate
+
+    url = live.url + "/v1/completions"
+    raw = '{"prompt": ' + "[" * 2000 + "]" * 2000 + "}"  # (within this server's 4 KB bodies)
+    r = post(url, content=raw.encode(), headers={"content-type": "application/json"})
+    assert status_and_error(r) == 400 and "malformed JSON body" in r.json()["error"]["message"]
+    for raw in ('{"prompt": ' + "[" * 100000 + "]" * 100000 + "}",
+                '{"prompt": "ab", "max_tokens": ' + "9" * 5000 + "}"):
+        with pytest.raises(ApiError, match="malformed JSON body") as e:
+            _validate(CompletionRequest, raw.encode())
+        assert e.value.status == 400
+    r = post(live.url + "/slots/0?action=save", json={"filename": "a\u0000b"})
+    assert status_and_error(r) == 400
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "presence_penalty",
+                           "frequency_penalty", "stream", "echo", "stream_options", "logprobs",
+                           "seed", "stop"))
+    r = post(url, json={"prompt": "ab", "max_tokens": 3, **nulls,
+                        "temperature": 0, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == offline(model, "ab", 3).text
+    r = post(live.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, "temperature": None,
+        "logprobs": None, "top_logprobs": None})
+    assert r.status_code == 200, r.text
+
+
+def test_logprobs_bytes_and_offsets_follow_the_text_through_split_characters(model, live):
+    """A token that holds part of a character: chat's `bytes` are its own bytes (they were the
+    bytes of U+FFFD, decoding it alone), and completions' text_offset counts characters of the
+    returned text (it counted one per token). Prompt tokens of a stop-ended request that came
+    from the slot's cache are counted (they read 0)."""
+    prompt = "\u00e9\u00e9\U0001f600 caf\u00e9 \u6771\u4eac"  # (byte tokens: 2-4 per char)
+    out = post(live.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0,
+        "logprobs": True}).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    joined = b"".join(bytes(e["bytes"]) for e in content)
+    assert joined.decode("utf-8", "replace").startswith(out["choices"][0]["message"]["content"])
+    ids = model.tokenizer.encode(prompt)
+    full = post(live.url + "/v1/completions", json={
+        "prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 0}).json()["choices"][0]
+    text, lp = full["text"], full["logprobs"]
+    assert all(0 <= o <= len(text) for o in lp["text_offset"]), (lp["text_offset"], text)
+    toks = offline(model, ids, 12).token_ids
+    want = [len(b"".join(map(model.tokenizer.token_bytes, toks[:i])).decode("utf-8", "ignore"))
+            for i in range(len(toks))]
+    assert lp["text_offset"] == want
+    stop = text[len(text) // 2:][:2] or text
+    again = post(live.url + "/v1/completions", json={
+        "prompt": ids, "max_tokens": 12, "temperature": 0, "stop": [stop]}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
+
+
 def test_invalid_chat_messages_are_400_naming_the_field(live):
     url = live.url + "/v1/chat/completions"
     cases = [
@@ -391,7 +447,11 @@ def test_invalid_chat_messages_are_400_naming_the_field(live):
             == replies[1]["choices"][0]["message"]["content"])
 
 
-def test_disconnect_frees_the_slot(live, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_slot(live, monkeypatch, stream):
+    """A client that goes away cancels its request, streamed or not (a non-streamed one was
+    checked only when no token came for 1 s, so on a model that kept producing tokens it ran
+    to its end)."""
     real = live.engine._decode
 
     def slow():  # 20 ms per step: the request would run for ~5 s
@@ -400,12 +460,15 @@ def test_disconnect_frees_the_slot(live, monkeypatch):
 
     monkeypatch.setattr(live.engine, "_decode", slow)
     before = live.metric("tqjax_generated_tokens")
-    with httpx.stream("POST", live.url + "/v1/completions", timeout=300,
-                      json={"prompt": "go", "max_tokens": CTX - 8, "temperature": 0,
-                            "stream": True}) as r:
-        lines = r.iter_lines()  # kept: dropping the iterator closes the response
-        next(lines)
-        assert live.metric("tqjax_kv_slots_in_use") == 1
+    body = {"prompt": "go", "max_tokens": CTX - 8, "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=300, json=body) as r:
+            lines = r.iter_lines()  # kept: dropping the iterator closes the response
+            next(lines)
+            assert live.metric("tqjax_kv_slots_in_use") == 1
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(live.url + "/v1/completions", timeout=1.0, json=body)
     t0 = time.time()
     while live.metric("tqjax_kv_slots_in_use") > 0 and time.time() < t0 + 30:
         time.sleep(0.02)

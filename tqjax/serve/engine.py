@@ -104,6 +104,7 @@ class Request:
     emit: Callable[[Event], None]
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    cached: int = 0  # prompt tokens reused from its slot's cache (set when it gets a slot)
 
 
 @dataclasses.dataclass(eq=False)
@@ -375,6 +376,7 @@ class Engine:
             p = reuse[row]
             s = self.slots[row]
             s.req, s.state, s.cached, s.generated = req, "prefill", p, 0
+            req.cached = p
             s.tokens, s.valid, s.next_pos = s.tokens[:p], p, p
             s.chunk = min(padded_length(len(req.prompt) - p), PREFILL_CHUNK)
             self.settings[row] = req.sampling

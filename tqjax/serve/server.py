@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tqjax.api import _TextStream
@@ -76,11 +76,21 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A request object in which a field given as JSON null takes its default, as OpenAI's
+    API and llama-server read it (the OpenAI client sends null for an explicit None)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:  # noqa: ANN401
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_NullIsDefault):
     """Fields shared by completions and chat (OpenAI names plus llama-server's top_k, min_p,
     repeat_penalty); unknown fields are ignored as OpenAI clients send many."""
 
@@ -197,8 +207,9 @@ def _validate(model: type[BaseModel], raw: bytes) -> Any:  # noqa: ANN401
     """Parse a JSON body into `model`, or ApiError 400."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError are
+        # ValueErrors, as is an integer of over 4300 digits; deep nesting is a RecursionError)
+        raise ApiError(400, f"malformed JSON body: {str(e).splitlines()[0][:200]}") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -285,13 +296,16 @@ class Server:
         text_ids: list[int] = []
         pending: list[Token] = []
         count = 0
+        checked = time.monotonic()
         try:
             while True:
+                if watch and time.monotonic() - checked >= 1.0:  # (tokens may never pause)
+                    checked = time.monotonic()
+                    if await http.is_disconnected():
+                        return
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=1.0)
                 except TimeoutError:
-                    if watch and await http.is_disconnected():
-                        return
                     continue
                 if isinstance(ev, Failed):
                     raise ApiError(500, ev.message, "server_error")
@@ -308,7 +322,7 @@ class Server:
                 if stop and stream.final_text(text_ids)[1]:
                     self.engine.cancel(req)
                     yield stream.piece(text_ids, True), pending, Finished(
-                        "stop", len(ids), count, 0)
+                        "stop", len(ids), count, req.cached)
                     return
                 piece = stream.piece(text_ids, False)
                 if piece:
@@ -320,21 +334,25 @@ class Server:
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special=False)
 
-    def _completion_logprobs(self, tokens: list[Token], n: int, offset: int) -> dict:
+    def _completion_logprobs(self, tokens: list[Token], n: int, before: bytearray) -> dict:
+        """OpenAI's completion logprobs for `tokens`; `before`: the bytes of the tokens already
+        returned (extended here), so that each text_offset is the character where the token
+        starts in the returned text (a token inside a character: that character's start)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        eos = set(self.tokenizer.eos_ids)
         for t in tokens:
-            s = self._token_str(t.id)
-            out["tokens"].append(s)
+            out["tokens"].append(self._token_str(t.id))
             out["token_logprobs"].append(t.logprob)
             out["top_logprobs"].append({self._token_str(i): lp for i, lp in t.top[:n]})
-            out["text_offset"].append(offset)
-            offset += len(s)
+            out["text_offset"].append(len(before.decode("utf-8", "ignore")))
+            if t.id not in eos:  # (the text leaves the end-of-sequence token out)
+                before += self.tokenizer.token_bytes(t.id)
         return out
 
     def _chat_logprobs(self, tokens: list[Token], n: int) -> dict:
         def entry(tid: int, lp: float) -> dict:
-            s = self._token_str(tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": self._token_str(tid), "logprob": lp,
+                    "bytes": list(self.tokenizer.token_bytes(tid))}
 
         return {"content": [{**entry(t.id, t.logprob),
                              "top_logprobs": [entry(i, lp) for i, lp in t.top[:n]]}
@@ -368,8 +386,9 @@ class Server:
         base = {"id": cid, "object": "text_completion", "created": created,
                 "model": self.model_name}
 
-        def choice(text: str, toks: list[Token], reason: str | None, offset: int) -> dict:
-            lp = None if nlp is None else self._completion_logprobs(toks, nlp, offset)
+        def choice(text: str, toks: list[Token], reason: str | None, before: bytearray
+                   ) -> dict:
+            lp = None if nlp is None else self._completion_logprobs(toks, nlp, before)
             return {"text": text, "index": 0, "logprobs": lp, "finish_reason": reason}
 
         if body.stream:
@@ -377,11 +396,10 @@ class Server:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def sse() -> AsyncIterator[str]:
-                offset = 0
+                before = bytearray()
                 async for text, toks, fin in _chain(first, events):
                     yield _sse({**base, "choices": [choice(text, toks, fin and fin.reason,
-                                                           offset)]})
-                    offset += len(text)
+                                                           before)]})
                     if fin is not None and include_usage:
                         yield _sse({**base, "choices": [], "usage": self._usage(fin)})
                 yield "data: [DONE]\n\n"
@@ -391,7 +409,7 @@ class Server:
         async for piece, new, f in events:
             text, fin = text + piece, f
             toks += new
-        return {**base, "choices": [choice(text, toks, fin.reason, 0)],
+        return {**base, "choices": [choice(text, toks, fin.reason, bytearray())],
                 "usage": self._usage(fin)}
 
     async def chat(self, http: Request) -> Any:  # noqa: ANN401
@@ -484,7 +502,8 @@ class Server:
             raw = await http.body()
             body: SlotRequest = _validate(SlotRequest, raw or b"{}")
             name = body.filename or ""
-            if not name or Path(name).name != name or name in (".", "..") or "\\" in name:
+            if (not name or Path(name).name != name or name in (".", "..")
+                    or any(c in name for c in "\\\0")):
                 raise ApiError(400, "filename must be a plain file name inside the slot save "
                                     "path", param="filename")
             path = self.slot_dir / name
