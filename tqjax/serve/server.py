@@ -21,6 +21,7 @@ in one request (the others go on), 501 slot files not enabled, 503 shutting down
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import time
@@ -344,7 +345,7 @@ class Server:
             out["tokens"].append(self._token_str(t.id))
             out["token_logprobs"].append(t.logprob)
             out["top_logprobs"].append({self._token_str(i): lp for i, lp in t.top[:n]})
-            out["text_offset"].append(len(before.decode("utf-8", "ignore")))
+            out["text_offset"].append(len(_complete_text(before)))
             if t.id not in eos:  # (the text leaves the end-of-sequence token out)
                 before += self.tokenizer.token_bytes(t.id)
         return out
@@ -522,6 +523,12 @@ class Server:
             raise ApiError(409, str(err), code="slot_busy") from None
         except TqjaxError as err:
             raise ApiError(400, str(err)) from None
+
+
+def _complete_text(data: bytes | bytearray) -> str:
+    """`data` decoded as the tokenizer decodes (U+FFFD for each invalid sequence), less an
+    unfinished character at its end."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(data), final=False)
 
 
 def _sse(obj: dict) -> str:
