@@ -216,6 +216,24 @@ def test_stop_strings_cut_the_text(model, live):
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_browsers_may_call_from_any_origin(live, monkeypatch):
+    """CORS as llama-server and vLLM answer it: a preflight (which carries no API key) is
+    allowed, and responses name the allowed origin (a page's fetch was refused: OPTIONS 405
+    and no Access-Control headers)."""
+    monkeypatch.setattr(live.server, "api_key", "k")
+    origin = {"Origin": "http://localhost:5173"}
+    pre = httpx.options(live.url + "/v1/chat/completions", timeout=60, headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] in ("*", origin["Origin"])
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    r = get(live.url + "/v1/models", headers={**origin, "Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = get(live.url + "/v1/models", headers=origin)  # the key is still required
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_other_endpoints(model, live):
     assert get(live.url + "/health").json() == {"status": "ok"}
     assert [m.id for m in live.client.models.list().data] == ["tiny"]

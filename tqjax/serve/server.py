@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -576,6 +577,10 @@ def create_app(server: Server, shutdown_grace_s: float = 10.0) -> FastAPI:
     app = FastAPI(title="tqjax", lifespan=lifespan)
 
     app.add_middleware(_Guard, server=server)
+    # outermost: a browser's preflight (OPTIONS, which carries no API key) is answered here;
+    # any origin may call, as llama-server and vLLM allow by default (no cookies are used)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
+                       allow_headers=["*"])
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
