@@ -15,7 +15,7 @@ from tqjax.cli import ArgumentParser, add_model_args, run_main
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--corpus", default="shakespeare:hamlet")
     p.add_argument("--tokens", type=int, default=1024)

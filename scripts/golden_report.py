@@ -89,7 +89,7 @@ def real_report(name: str, golden: Path = GOLDEN) -> dict:
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--golden", type=Path, default=GOLDEN,
                    help="reference data folder (default: the repository's golden/)")

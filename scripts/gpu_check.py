@@ -417,7 +417,7 @@ def decode_runs(report: Report, model_path: str | None, budget_s: float) -> None
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path(
         "gpu_check.json")
     p.add_argument("--out", type=Path, default=default_out)

@@ -47,7 +47,7 @@ FLAGS = {
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     p.add_argument("--texts", default="shakespeare:hamlet,python-stdlib")
     p.add_argument("--types", default=DEFAULT_TYPES,

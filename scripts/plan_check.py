@@ -188,7 +188,7 @@ def fit() -> dict:
 def main() -> int:
     from tqjax.atomic import write_json
 
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), help="model:weights:kv:budget")
     p.add_argument("--fit", action="store_true", help="fit the runtime constants instead")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")

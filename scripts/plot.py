@@ -236,7 +236,7 @@ def save(fig: object, out: Path) -> Path:
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bench", default=str(DEFAULT_BENCH), help="folder of bench JSONs")
     p.add_argument("--weights-json", nargs="*",
                    default=[str(f) for f in sorted(WEIGHTS.glob("weights_*.json"))],

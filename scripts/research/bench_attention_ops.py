@@ -32,7 +32,7 @@ def _rounds(f: Callable[[], object], rounds: int = 7, calls: int = 20) -> list[f
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--group", type=int, default=3, help="query heads per KV head")
     p.add_argument("--slots", type=int, default=8192)

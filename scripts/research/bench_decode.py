@@ -13,7 +13,7 @@ import time
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="CACHE:SLOTS:POSITION, e.g. turbo4:16384:512")
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     p.add_argument("--steps", type=int, default=6, help="decode steps per round")

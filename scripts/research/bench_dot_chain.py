@@ -42,7 +42,7 @@ def _rounds(f: Callable[[], jax.Array], rounds: int = 9) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     args = p.parse_args()
 

@@ -37,7 +37,7 @@ def per_call_us(f: Callable[..., jax.Array], *args: jax.Array, calls: int = 40) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--shapes", nargs="+", default=["576x1536", "1536x576", "896x4864",
                                                     "4864x896", "576x49152"])

@@ -49,7 +49,7 @@ def block_attention(x: jax.Array, read: Callable[[jax.Array], jax.Array], slots:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--dim", type=int, default=576)
     p.add_argument("--ffn", type=int, default=1536)

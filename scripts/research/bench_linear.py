@@ -112,7 +112,7 @@ def ggml_main(repeats: int, as_json: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="names or prefixes")
     ap.add_argument("--formats", nargs="*", default=list(FORMATS))
     ap.add_argument("--m", nargs="*", type=int, default=[1])

@@ -23,7 +23,7 @@ def _time(f: object, *args: object, n: int = 20) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     p.add_argument("--slots", type=int, default=8192)
     p.add_argument("--layer", type=int, default=5)

@@ -98,7 +98,7 @@ def forward_loop(params: Params, config: ModelConfig, tokens: jax.Array, start: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("kv")
     p.add_argument("context", type=int)

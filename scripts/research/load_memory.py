@@ -176,7 +176,7 @@ def hf_copy(model: str, out: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "-m", nargs="+", default=["smollm2-135m-instruct"])
     p.add_argument("--modes", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--generate", type=int, default=0, help="tokens to generate after the load")

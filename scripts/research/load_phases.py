@@ -90,7 +90,7 @@ def report(samples: list[tuple[float, int]], log: str, min_mib: float) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "-m", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--mode", default="mixed-5.5+emb", help="a load_memory.py mode")
     p.add_argument("--min-mib", type=float, default=0.0,

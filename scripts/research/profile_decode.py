@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     p.add_argument("--weights", default=None, help="as tqjax.load's weights= (e.g. tq4, gguf)")
     p.add_argument("--kv", default="f32", help="cache type (tqjax.kv.cache.parse_kv)")

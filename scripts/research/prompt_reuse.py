@@ -18,7 +18,7 @@ import time
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--kv", default="f32", metavar="K[/V]", help="cache types (keys[/values])")

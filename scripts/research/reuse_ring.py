@@ -35,7 +35,7 @@ def kl(p: np.ndarray, q: np.ndarray) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="smollm2-135m-instruct")
     p.add_argument("--kv", default="turbo4")
     p.add_argument("--prefix", type=int, default=400)

@@ -46,7 +46,7 @@ def phase(name: str, fn: Callable[[], object], trim: bool) -> object:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("kv", help='cache type, "K" or "K/V"')
     p.add_argument("prompt_tokens", type=int)

@@ -15,7 +15,7 @@ from tqjax.cli import ArgumentParser, add_model_args, cache_spec, print_json, ru
 
 
 def main() -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--system-words", type=int, default=700)
     p.add_argument("--ctx-size", type=int, default=1536)

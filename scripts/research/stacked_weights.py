@@ -66,7 +66,7 @@ def measure(name: str, step: Any, args: tuple, cache: kvc.KVCache, steps: int,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--weights", default=None)
     p.add_argument("--dtype", default="float32")

@@ -476,7 +476,7 @@ def check_sizes(args: argparse.Namespace, max_position: int | None = None) -> tu
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="tqjax-bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tqjax-bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--context", type=int, default=0,

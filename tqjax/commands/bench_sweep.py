@@ -208,7 +208,9 @@ def run_one(run: Run, dest: Path, bandwidth: float, timeout: float | None) -> tu
     try:
         if run.checkpoint:
             ensure_checkpoint(run)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        # the persistent XLA cache off, so a warm or cold cache does not move a run's peak
+        env = dict(os.environ, TQJAX_XLA_CACHE="0")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         ok = proc.returncode == 0
         error = "" if ok else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
     except subprocess.TimeoutExpired:

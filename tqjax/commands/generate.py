@@ -20,7 +20,7 @@ from tqjax.cli import (
 
 
 def parse_args(argv: list[str] | None = None) -> object:
-    p = ArgumentParser(prog="tqjax-generate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tqjax-generate", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--prompt", "-p", default="Once upon a time,", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")

@@ -21,7 +21,7 @@ from tqjax.cli import (
 
 def run(argv: list[str] | None = None) -> int:
     """Measure; returns the exit status (user errors raise TqjaxError)."""
-    p = ArgumentParser(prog="tqjax-perplexity", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tqjax-perplexity", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text-file", type=Path, help="a UTF-8 text file")

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from tqjax.models.calibration import CALIBRATION_WINDOWS
     from tqjax.models.quantize import METHODS, MIXED
 
-    p = ArgumentParser(prog="tqjax-quantize", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tqjax-quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"model name ({', '.join(MODEL_NAMES)}), HF directory or .gguf file")
     p.add_argument("--out", "-o", required=True, type=Path, help="checkpoint directory to write")
