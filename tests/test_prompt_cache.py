@@ -297,6 +297,10 @@ def test_generate_with_a_prompt_cache_file(model, tmp_path):
     assert pc.load_prompt_cache(path, meta_for(model, spec), 256)[1] == doc + q1  # read-only
     with pytest.raises(TqjaxError, match="another cache type"):
         tqjax.generate(model, doc, max_new_tokens=2, prompt_cache=path)
+    missing = tmp_path / "typo.tqkv"  # read-only and missing: an error, not a silent miss
+    with pytest.raises(TqjaxError, match="does not exist"):
+        tqjax.generate(model, doc, max_new_tokens=2, prompt_cache=missing, prompt_cache_ro=True)
+    assert not missing.exists()
 
 
 def test_reuse_short_of_the_held_tokens_gives_back_the_recent_ring(model):

@@ -417,6 +417,9 @@ def generate(model: Model, prompt: Prompt | list[str], *,
     ids, path, meta = prompts[0], Path(prompt_cache), model.cache_meta(cache)
     if not prompt_cache_ro:  # before any work (a folder, or a file where a folder must be)
         check_writable(path, "prompt cache")
+    elif not path.exists():  # (read-only: nothing would be written, so a typo would pass)
+        raise TqjaxError(f"prompt cache {path} does not exist (read-only use reads a saved "
+                         f"one: make it first without --prompt-cache-ro)")
     start, saved = None, []
     if path.exists():
         kv, saved = load_prompt_cache(path, meta, saved_length(path))
