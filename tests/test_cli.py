@@ -93,6 +93,40 @@ def test_output_left_in_stdouts_buffer_meets_a_closed_pipe_quietly():
     assert proc.returncode == 2 and proc.stderr == b"error: Broken pipe\n", proc.stderr
 
 
+def test_interactive_chat_reuses_earlier_turns_and_survives_a_refused_one(tiny_model, tmp_path):
+    """--interactive: one message per stdin line, in one Session (the second turn reuses the
+    first's cache); a turn past the context is refused with its error and the chat goes on;
+    /reset starts over; the end of input ends it (status 0)."""
+    d = tmp_path / "chat"
+    shutil.copytree(tiny_model, d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")}))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    lines = ["hi", "more", "x" * 200, "/reset", "again"]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m", str(d),
+                           "-i", "-n", "4", "--ctx-size", "128", "--system", "S"], env=env,
+                          input="\n".join(lines) + "\n", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    stats = [ln for ln in proc.stderr.splitlines() if "prompt tokens" in ln]
+    assert len(stats) == 3, proc.stderr  # hi, more, again (the long one refused)
+    assert "reused" not in stats[0] and "reused" in stats[1] and "reused" not in stats[2]
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "context" in errors[0] and "/reset" in errors[0], errors
+    assert "Traceback" not in proc.stderr
+    # the same first turn as a one-shot --chat run
+    one = run("generate.py", "-m", d, "--chat", "-p", "hi", "--system", "S", "-n", "4",
+              "--ctx-size", "128", "--json")
+    assert proc.stdout.split("\n")[0] == json.loads(one.stdout.splitlines()[-1])["text"]
+    for bad in (["--json"], ["--prompt-cache", tmp_path / "pc"]):
+        assert_user_error(run("generate.py", "-m", d, "-i", *bad), "--interactive goes without")
+    assert_user_error(subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"),
+                                      "-m", str(tiny_model), "-i"], env=env, input="hi\n",
+                                     capture_output=True, text=True, timeout=300),
+                      "no chat template")
+
+
 def test_missing_model_file(tmp_path):
     assert_user_error(run("generate.py", "--model", tmp_path / "nope.gguf"), "no such")
 

@@ -1,12 +1,16 @@
 """Generate text with a Llama/Qwen model: `tqjax-generate --prompt "Once upon"`.
 
-Streams text to stdout; `--json` prints one final JSON line instead.
+Streams text to stdout; `--json` prints one final JSON line instead; `--interactive` chats turn
+by turn, reading your messages from stdin.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqjax.cli import (
     ArgumentParser,
@@ -18,12 +22,25 @@ from tqjax.cli import (
     run_main,
 )
 
+if TYPE_CHECKING:
+    from tqjax.api import Model
+    from tqjax.decode.generate import GenerationResult
+    from tqjax.kv.cache import CacheSpec
 
-def parse_args(argv: list[str] | None = None) -> object:
+DEFAULT_PROMPT = "Once upon a time,"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog="tqjax-generate", description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--prompt", "-p", default="Once upon a time,", help="prompt text")
+    p.add_argument("--prompt", "-p", default=None,
+                   help='prompt text (default "Once upon a time,"; with --interactive, the '
+                        "first message)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--interactive", "-i", action="store_true",
+                   help="a conversation: your messages are read from stdin, a line each, and "
+                        "each turn reuses the cache of the turns before it (/reset forgets "
+                        "them; /exit or end of input ends)")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -70,7 +87,10 @@ def run(argv: list[str] | None = None) -> int:
         check_writable(Path(args.prompt_cache), "--prompt-cache")
     if args.keep < -1:
         raise tqjax.TqjaxError(f"--keep must be >= -1, got {args.keep}")
-    check_options(args.stop, args.chat, args.system, args.keep, args.context_shift)
+    if args.interactive and (args.json or args.prompt_cache is not None):
+        raise tqjax.TqjaxError("--interactive goes without --json and --prompt-cache")
+    check_options(args.stop, args.chat or args.interactive, args.system, args.keep,
+                  args.context_shift)
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        quantize_embeddings=args.quantize_embeddings,
                        progress=not args.json, mesh=mesh)
@@ -80,9 +100,12 @@ def run(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
 
     args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
+    if args.interactive:
+        with use_backend(args.backend):
+            return converse(model, args, spec, stream)
     with use_backend(args.backend):
         result = tqjax.generate(
-            model, args.prompt, max_new_tokens=args.max_new_tokens,
+            model, args.prompt or DEFAULT_PROMPT, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
             chat=args.chat, system=args.system, ctx_size=args.ctx_size, cache=spec,
@@ -105,15 +128,66 @@ def run(argv: list[str] | None = None) -> int:
         })
     else:
         sys.stdout.write("\n")
-        cached = f" ({result.cached_tokens} from the prompt cache)" if result.cached_tokens else ""
-        compiled = (f" (+{result.prefill_compile_s:.1f} s compiling)"
-                    if result.prefill_compile_s >= 0.05 else "")
-        print(f"[{result.prompt_tokens} prompt tokens{cached} at {result.prefill_tok_s:.1f} tok/s"
-              f"{compiled}, "
-              f"{result.generated_tokens} generated"
-              f"{'' if timed is None else f' at {timed:.1f} tok/s'}]",
-              file=sys.stderr)
+        print_stats(result, "from the prompt cache")
     return 0
+
+
+def print_stats(result: GenerationResult, reused: str) -> None:
+    """The stats line on stderr: prompt tokens (those reused), prefill and decode speed."""
+    timed = result.decode_tok_s
+    cached = f" ({result.cached_tokens} {reused})" if result.cached_tokens else ""
+    compiled = (f" (+{result.prefill_compile_s:.1f} s compiling)"
+                if result.prefill_compile_s >= 0.05 else "")
+    print(f"[{result.prompt_tokens} prompt tokens{cached} at {result.prefill_tok_s:.1f} tok/s"
+          f"{compiled}, {result.generated_tokens} generated"
+          f"{'' if timed is None else f' at {timed:.1f} tok/s'}]", file=sys.stderr, flush=True)
+
+
+def converse(model: Model, args: argparse.Namespace, spec: CacheSpec,
+             stream: Callable[[str], None]) -> int:
+    """`--interactive`: a chat read from stdin a line at a time, in one `Session`, so that each
+    turn prefills only its own message (the turns before are in the cache). A turn the context
+    cannot hold is refused with its error and the conversation goes on (/reset starts over)."""
+    import tqjax
+
+    if not model.tokenizer.chat_template:
+        raise tqjax.TqjaxError(f"{model.source} has no chat template; --interactive chats")
+    session = tqjax.Session(model, cache=spec, ctx_size=args.ctx_size)
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    messages = list(system)
+    first = args.prompt
+    while True:
+        if first is not None:
+            line, first = first, None
+        else:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:  # end of input
+                return 0
+            line = line.rstrip("\n")
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(system)
+            session.reset()
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            result = session.generate(
+                messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                on_text=stream, context_shift=args.context_shift, n_keep=args.keep)
+        except tqjax.TqjaxError as e:
+            messages.pop()
+            print(f"error: {e} (/reset starts the conversation over)", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": result.text})
+        sys.stdout.write("\n")
+        print_stats(result, "reused")
 
 
 def main(argv: list[str] | None = None) -> None:
