@@ -103,17 +103,19 @@ def test_interactive_chat_reuses_earlier_turns_and_survives_a_refused_one(tiny_m
         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}")}))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    lines = ["hi", "more", "x" * 200, "/reset", "again"]
+    lines = [b"hi", b"more", b"x" * 200, b"bad \xff byte", b"/reset", b"again"]
+    env["PYTHONIOENCODING"] = "utf-8:strict"  # (as under an en_US.UTF-8 locale)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m", str(d),
                            "-i", "-n", "4", "--ctx-size", "128", "--system", "S"], env=env,
-                          input="\n".join(lines) + "\n", capture_output=True, text=True,
-                          timeout=300)
+                          input=b"\n".join(lines) + b"\n", capture_output=True, timeout=300)
+    proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, proc.stderr
     stats = [ln for ln in proc.stderr.splitlines() if "prompt tokens" in ln]
     assert len(stats) == 3, proc.stderr  # hi, more, again (the long one refused)
     assert "reused" not in stats[0] and "reused" in stats[1] and "reused" not in stats[2]
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and "context" in errors[0] and "/reset" in errors[0], errors
+    assert len(errors) == 2 and "context" in errors[0] and "/reset" in errors[0], errors
+    assert "not UTF-8 (byte 0xff at 4)" in errors[1], errors
     assert "Traceback" not in proc.stderr
     # the same first turn as a one-shot --chat run
     one = run("generate.py", "-m", d, "--chat", "-p", "hi", "--system", "S", "-n", "4",
@@ -121,6 +123,10 @@ def test_interactive_chat_reuses_earlier_turns_and_survives_a_refused_one(tiny_m
     assert proc.stdout.split("\n")[0] == json.loads(one.stdout.splitlines()[-1])["text"]
     for bad in (["--json"], ["--prompt-cache", tmp_path / "pc"]):
         assert_user_error(run("generate.py", "-m", d, "-i", *bad), "--interactive goes without")
+    shift = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m", str(d),
+                            "-i", "--kv", "turbo4", "--context-shift"], env=env, input="hi\n",
+                           capture_output=True, text=True, timeout=300)
+    assert_user_error(shift, "context shift needs dense keys")  # once, not at every turn
     assert_user_error(subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"),
                                       "-m", str(tiny_model), "-i"], env=env, input="hi\n",
                                      capture_output=True, text=True, timeout=300),

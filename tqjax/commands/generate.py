@@ -152,6 +152,11 @@ def converse(model: Model, args: argparse.Namespace, spec: CacheSpec,
 
     if not model.tokenizer.chat_template:
         raise tqjax.TqjaxError(f"{model.source} has no chat template; --interactive chats")
+    if args.context_shift:  # (refused once here: every turn would be refused the same way)
+        from tqjax.decode.generate import check_shiftable, new_cache
+
+        check_shiftable(new_cache(model.params, model.config, spec, 1, 1,
+                                  model.calibration(spec)))
     session = tqjax.Session(model, cache=spec, ctx_size=args.ctx_size)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     messages = list(system)
@@ -162,10 +167,15 @@ def converse(model: Model, args: argparse.Namespace, spec: CacheSpec,
         else:
             sys.stderr.write("> ")
             sys.stderr.flush()
-            line = sys.stdin.readline()
-            if not line:  # end of input
+            raw = sys.stdin.buffer.readline()
+            if not raw:  # end of input
                 return 0
-            line = line.rstrip("\n")
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                print(f"error: that line is not UTF-8 (byte 0x{raw[e.start]:02x} at {e.start}); "
+                      f"nothing was sent", file=sys.stderr)
+                continue
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":

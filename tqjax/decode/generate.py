@@ -154,9 +154,11 @@ class GenerationResult:
     @property
     def prefill_tok_s(self) -> float:
         """Prompt tokens prefilled (not taken from a cache) per second of prefill, with the
-        time JAX reports lowering and compiling left out: a first call's prefill is mostly its
-        compile (SmolLM2, an 11-token prompt on a 2-core CPU: 4.4 s, 3.2 s of it compiling,
-        0.27 s once compiled; its tracing and other first-call costs stay in)."""
+        time JAX reports lowering and compiling (or reading a compiled program from the
+        persistent cache) left out: a first call's prefill is mostly its compile (SmolLM2, an
+        11-token prompt on a 2-core CPU: 4.4 s, 3.2 s of it compiling, 0.27 s once compiled).
+        Other first-call costs stay in: tracing, and ~0.6 s more in a run whose programs come
+        from the persistent cache, so a first call's figure is still low."""
         done = self.prompt_tokens - self.cached_tokens
         run = self.prefill_s - self.prefill_compile_s
         if run <= 0:  # (another thread's compiles counted too: the wall time instead)
