@@ -196,6 +196,8 @@ def test_invalid_sampling_values(flag, value, needle):
     ("generate.py", ["--repeat-penalty", "inf"], "repeat penalty must be finite"),
     ("generate.py", ["--prompt-cache", "{tmp}"], "is a directory"),
     ("generate.py", ["--prompt-cache", "{file}/pc.safetensors"], "cannot write --prompt-cache"),
+    ("generate.py", ["--prompt-cache", "{tmp}/none.tqkv", "--prompt-cache-ro"],
+     "does not exist (--prompt-cache-ro reads a saved one)"),
     ("perplexity.py", ["--max-tokens", "-5"], "--max-tokens must be >= 0"),
     ("perplexity.py", ["--ctx-size", "1"], "--ctx-size must be >= 2"),
     ("quantize.py", ["--out", "{file}/ckpt"], "cannot write --out"),

@@ -85,6 +85,9 @@ def run(argv: list[str] | None = None) -> int:
         raise tqjax.TqjaxError("--prompt-cache-ro goes with --prompt-cache FILE")
     if args.prompt_cache is not None and not args.prompt_cache_ro:
         check_writable(Path(args.prompt_cache), "--prompt-cache")
+    if args.prompt_cache_ro and not Path(args.prompt_cache).exists():  # (before the load)
+        raise tqjax.TqjaxError(f"prompt cache {args.prompt_cache} does not exist "
+                               f"(--prompt-cache-ro reads a saved one)")
     if args.keep < -1:
         raise tqjax.TqjaxError(f"--keep must be >= -1, got {args.keep}")
     if args.interactive and (args.json or args.prompt_cache is not None):
