@@ -408,6 +408,19 @@ def test_bodies_json_cannot_hold_are_400_and_null_fields_take_their_defaults(mod
         "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, "temperature": None,
         "logprobs": None, "top_logprobs": None})
     assert r.status_code == 200, r.text
+    # NaN is not a temperature (it was reported as "less than or equal to 2")
+    r = post(url, content=b'{"prompt": "ab", "max_tokens": 2, "temperature": NaN}',
+             headers={"content-type": "application/json"})
+    assert status_and_error(r) == 400 and "finite" in r.json()["error"]["message"], r.text
+    # an over-long chat names its field: messages (chat has no prompt)
+    r = post(live.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x" * (CTX + 10)}], "max_tokens": 2})
+    assert status_and_error(r) == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert httpx.head(live.url + "/health", timeout=60).status_code == 200
+    # seed -1 draws a seed, as llama-server reads it (it was one fixed stream)
+    texts = {post(url, json={"prompt": "ab", "max_tokens": 8, "temperature": 1.5,
+                             "seed": -1}).json()["choices"][0]["text"] for _ in range(4)}
+    assert len(texts) > 1, texts
 
 
 def test_logprobs_bytes_and_offsets_follow_the_text_through_split_characters(model, live):

@@ -96,7 +96,7 @@ class _Common(_NullIsDefault):
     """Fields shared by completions and chat (OpenAI names plus llama-server's top_k, min_p,
     repeat_penalty); unknown fields are ignored as OpenAI clients send many."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # (NaN read as "> 2")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -234,7 +234,7 @@ def _sampling(body: _Common) -> SamplingParams:
     try:
         return SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p,
                               body.repeat_penalty,
-                              random_seed() if body.seed is None else body.seed)
+                              random_seed() if body.seed in (None, -1) else body.seed)
     except TqjaxError as e:
         raise ApiError(400, str(e)) from None
 
@@ -276,7 +276,8 @@ class Server:
         return n
 
     async def _events(self, http: Request, ids: list[int], max_tokens: int,
-                      sampling: SamplingParams, stop: list[str], watch: bool
+                      sampling: SamplingParams, stop: list[str], watch: bool,
+                      field: str = "prompt"
                       ) -> AsyncIterator[tuple[str, list[Token], Finished | None]]:
         """Run one request: yields (new text, new tokens, None) as tokens arrive and finally
         (last text, tokens, Finished) with finish_reason "stop"/"length"; ApiError 500 on an
@@ -292,7 +293,7 @@ class Server:
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
         except TqjaxError as e:
             status = 503 if "shutting down" in str(e) else 400
-            raise ApiError(status, str(e), param=None if status == 503 else "prompt") from None
+            raise ApiError(status, str(e), param=None if status == 503 else field) from None
         stream = _TextStream(self.tokenizer, stop)
         eos = set(self.tokenizer.eos_ids)
         text_ids: list[int] = []
@@ -440,7 +441,8 @@ class Server:
                                  self.engine.ctx_size)
         nlp = (body.top_logprobs or 0) if body.logprobs else None
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        events = self._events(http, ids, max_tokens, sampling, stop, not body.stream)
+        events = self._events(http, ids, max_tokens, sampling, stop, not body.stream,
+                              "messages")
 
         def lp(toks: list[Token]) -> dict | None:
             return None if nlp is None else self._chat_logprobs(toks, nlp)
@@ -621,7 +623,7 @@ def create_app(server: Server, shutdown_grace_s: float = 10.0) -> FastAPI:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                             "created": server.created, "owned_by": "tqjax"}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 
