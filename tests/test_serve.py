@@ -446,7 +446,9 @@ def test_logprobs_bytes_and_offsets_follow_the_text_through_split_characters(mod
     # one token per byte: "é" (2 bytes), "😀" (4), "a", an invalid byte, "é"
     pieces = [b"\xc3", b"\xa9", b"\xf0", b"\x9f", b"\x98", b"\x80", b"a", b"\xff", b"\xc3"]
     tokens = [Token(_byte_token(model, p), 0.0, []) for p in pieces]
-    got = live.server._completion_logprobs(tokens, 0, bytearray())["text_offset"]
+    from tqjax.serve.server import _TextOffsets
+
+    got = live.server._completion_logprobs(tokens, 0, _TextOffsets())["text_offset"]
     assert got == [0, 0, 1, 1, 1, 1, 2, 3, 4]
     stop = text[len(text) // 2:][:2] or text
     again = post(live.url + "/v1/completions", json={

@@ -117,7 +117,6 @@ class Slot:
     state: str = "idle"  # idle | prefill | decode
     next_pos: int = 0  # prefill: next prompt position to prefill
     chunk: int = 0  # prefill chunk length of this request (fixed per request)
-    cached: int = 0  # prompt tokens reused
     generated: int = 0
     last_used: float = 0.0
 
@@ -375,8 +374,7 @@ class Engine:
             row = max(free, key=lambda i: (reuse[i], -self.slots[i].last_used))
             p = reuse[row]
             s = self.slots[row]
-            s.req, s.state, s.cached, s.generated = req, "prefill", p, 0
-            req.cached = p
+            s.req, s.state, s.generated, req.cached = req, "prefill", 0, p
             s.tokens, s.valid, s.next_pos = s.tokens[:p], p, p
             s.chunk = min(padded_length(len(req.prompt) - p), PREFILL_CHUNK)
             self.settings[row] = req.sampling
@@ -396,7 +394,7 @@ class Engine:
         s.req, s.state, s.last_used = None, "idle", time.perf_counter()
         if s.valid > len(s.tokens):
             s.valid = len(s.tokens)
-        _send(req, Finished(reason, len(req.prompt), s.generated, s.cached))
+        _send(req, Finished(reason, len(req.prompt), s.generated, req.cached))
 
     def _fail(self, row: int, err: Exception) -> None:
         s = self.slots[row]

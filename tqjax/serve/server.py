@@ -337,19 +337,21 @@ class Server:
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special=False)
 
-    def _completion_logprobs(self, tokens: list[Token], n: int, before: bytearray) -> dict:
-        """OpenAI's completion logprobs for `tokens`; `before`: the bytes of the tokens already
-        returned (extended here), so that each text_offset is the character where the token
-        starts in the returned text (a token inside a character: that character's start)."""
+    def _completion_logprobs(self, tokens: list[Token], n: int, offsets: _TextOffsets
+                             ) -> dict:
+        """OpenAI's completion logprobs for `tokens`; `offsets` follows the text returned so
+        far (across a stream's chunks), so that each text_offset is the character where the
+        token starts in the returned text (a token inside a character: that character's
+        start)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         eos = set(self.tokenizer.eos_ids)
         for t in tokens:
             out["tokens"].append(self._token_str(t.id))
             out["token_logprobs"].append(t.logprob)
             out["top_logprobs"].append({self._token_str(i): lp for i, lp in t.top[:n]})
-            out["text_offset"].append(len(_complete_text(before)))
+            out["text_offset"].append(offsets.chars)
             if t.id not in eos:  # (the text leaves the end-of-sequence token out)
-                before += self.tokenizer.token_bytes(t.id)
+                offsets.add(self.tokenizer.token_bytes(t.id))
         return out
 
     def _chat_logprobs(self, tokens: list[Token], n: int) -> dict:
@@ -389,9 +391,9 @@ class Server:
         base = {"id": cid, "object": "text_completion", "created": created,
                 "model": self.model_name}
 
-        def choice(text: str, toks: list[Token], reason: str | None, before: bytearray
+        def choice(text: str, toks: list[Token], reason: str | None, offsets: _TextOffsets
                    ) -> dict:
-            lp = None if nlp is None else self._completion_logprobs(toks, nlp, before)
+            lp = None if nlp is None else self._completion_logprobs(toks, nlp, offsets)
             return {"text": text, "index": 0, "logprobs": lp, "finish_reason": reason}
 
         if body.stream:
@@ -399,10 +401,10 @@ class Server:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def sse() -> AsyncIterator[str]:
-                before = bytearray()
+                offsets = _TextOffsets()
                 async for text, toks, fin in _chain(first, events):
                     yield _sse({**base, "choices": [choice(text, toks, fin and fin.reason,
-                                                           before)]})
+                                                           offsets)]})
                     if fin is not None and include_usage:
                         yield _sse({**base, "choices": [], "usage": self._usage(fin)})
                 yield "data: [DONE]\n\n"
@@ -412,7 +414,7 @@ class Server:
         async for piece, new, f in events:
             text, fin = text + piece, f
             toks += new
-        return {**base, "choices": [choice(text, toks, fin.reason, bytearray())],
+        return {**base, "choices": [choice(text, toks, fin.reason, _TextOffsets())],
                 "usage": self._usage(fin)}
 
     async def chat(self, http: Request) -> Any:  # noqa: ANN401
@@ -528,10 +530,18 @@ class Server:
             raise ApiError(400, str(err)) from None
 
 
-def _complete_text(data: bytes | bytearray) -> str:
-    """`data` decoded as the tokenizer decodes (U+FFFD for each invalid sequence), less an
-    unfinished character at its end."""
-    return codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(data), final=False)
+class _TextOffsets:
+    """The characters of the returned text so far, from its tokens' bytes decoded as the
+    tokenizer decodes them (U+FFFD for an invalid sequence), an unfinished character at the
+    end not yet counted; kept incrementally, so a long completion is not decoded again per
+    token."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0
+
+    def add(self, data: bytes) -> None:
+        self.chars += len(self.decoder.decode(data))
 
 
 def _sse(obj: dict) -> str:
