@@ -63,19 +63,30 @@ TEMP_RANDOM = 8  # the random part of tempfile's names
 STALE_AFTER_S = 60.0  # a temp younger than this may be a writer's that has not locked it yet
 
 
-@contextmanager
-def _held(path: Path) -> Iterator[None]:
-    """Hold an advisory lock on a temp file or folder while it is written: the kernel drops it
-    when the process dies, however it dies, so a later writer can tell a dead writer's temp
-    (unlocked) from a live one's, in any PID namespace and, where locks work, on NFS."""
-    fd = None
+def _try_lock(path: Path) -> int | None:
+    """A descriptor of `path` holding its advisory lock (`flock`), or None where another
+    process holds it, or locks do not work here."""
     try:
         import fcntl
 
         fd = os.open(path, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (ImportError, OSError):
-        pass  # (no locks here: the temp is then not swept, as before)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """Hold an advisory lock on a temp file or folder while it is written: the kernel drops it
+    when the process dies, however it dies, so a later writer can tell a dead writer's temp
+    (unlocked) from a live one's, in any PID namespace and, where locks work, on NFS. (Without
+    locks the temp is not swept, as before.)"""
+    fd = _try_lock(path)
     try:
         yield
     finally:
@@ -88,29 +99,30 @@ def _sweep_stale(dest: Path) -> None:
     [+ `.tmp`]) that no live writer holds (`_held`), left by a writer killed without unwinding
     (kill -9, a lost machine): a quantize killed so left a hidden folder of its output's size.
     Best effort: what cannot be checked or removed (another user's file) is left."""
+    pattern = re.compile(re.escape(f".{dest.name}.") + rf"[A-Za-z0-9_]{{{TEMP_RANDOM}}}"
+                         r"(\.tmp)?")
     try:
-        import fcntl
-
-        pattern = re.compile(re.escape(f".{dest.name}.") + rf"[A-Za-z0-9_]{{{TEMP_RANDOM}}}"
-                             r"(\.tmp)?")
         siblings = [p for p in dest.parent.iterdir() if pattern.fullmatch(p.name)]
-    except (ImportError, OSError):
+    except OSError:
         return
     for path in siblings:
         try:
             if path.is_symlink() or time.time() - path.stat().st_mtime < STALE_AFTER_S:
                 continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises while a writer holds it)
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink()
-            finally:
-                os.close(fd)
         except OSError:
             continue
+        fd = _try_lock(path)  # (None while a writer holds it)
+        if fd is None:
+            continue
+        try:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _make_parents(dest: Path) -> None:
