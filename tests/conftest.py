@@ -19,6 +19,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the tests marked `large` (see pyproject.toml)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Compile with most of XLA's optimizations off (`jax_disable_most_optimizations`: LLVM at
+    level 0, its expensive passes off; XLA's own HLO passes, fusion and layouts run as in the
+    product) for the tests that are not marked `slow`, and as the product does for the
+    real-model ones. Set before the test's fixtures, and in the environment for the processes
+    a test starts. Compiling is most of a tiny-model test's time: `tests/test_stacked_cache.py`
+    took 293 s, 234 of them in XLA's backend compile, at the default level and 145 s (82) with
+    the optimizations off; a real model's compute is slower without them by about what its
+    compile saves (2-core AMD EPYC, 60aeed6; docs/research.md, stop 58)."""
+    import jax
+
+    fast = item.get_closest_marker("slow") is None
+    jax.config.update("jax_disable_most_optimizations", fast)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if fast else "0"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     _heaviest_files_first(items)
     if config.getoption("--run-large") or os.environ.get("TQJAX_TEST_LARGE") == "1":
