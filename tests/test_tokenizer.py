@@ -247,3 +247,36 @@ def test_llama3_tokenizer_json_bos_matches_hf(case, tmp_path):
                     == tok.encode(text, add_bos)), text
     # Llama 3: the BOS is there by default, from the post-processor
     assert (tok.encode("Hello")[0] == bos) == spec["post_processor"]
+
+
+# ------------------------------------------------------------------- incremental detokenizing
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_streamed_text_is_the_whole_decode_and_each_step_decodes_only_its_tokens(
+        kind, spm_gguf):
+    """api._TextStream, fed one more token at a time as generation does: its pieces join to
+    the tokenizer's decode of all the ids (multi-byte characters split over byte tokens,
+    SentencePiece's leading space) and it stops where the whole decode first holds a stop
+    string; each step decodes a few tokens, not all of them again (was quadratic)."""
+    from tqjax.api import _TextStream
+
+    tok = spm_gguf if kind == "sentencepiece" else tokenizer_from_hf_dir(TOK / "llama3", (),
+                                                                          None)
+    ids = [i for t in PLAIN_TEXTS for i in tok.encode(t)]
+    decoded = [0]
+    counting = type("Counting", (), {
+        "decode": lambda self, x, skip_special=True: (decoded.__setitem__(0, decoded[0] + len(x))
+                                                      or tok.decode(x, skip_special))})()
+    whole = tok.decode(ids)
+    for stop in ([], ["नमस्ते"], ["🧪🏳", "lazy"], ["\nWhether 'tis"]):
+        stream, pieces, decoded[0] = _TextStream(counting, stop), [], 0
+        for n in range(1, len(ids) + 1):
+            stopped = stream.stopped(ids[:n])
+            head = tok.decode(ids[:n])
+            assert stopped == any(s in head for s in stop), (stop, n)
+            if stopped:
+                break
+            pieces.append(stream.piece(ids[:n], False))
+        pieces.append(stream.piece(ids[:n], True))
+        cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
+        assert "".join(pieces) == whole[:cut] and (cut < len(whole)) == bool(stop)
+        assert decoded[0] <= 6 * n + 2 * n, (decoded[0], n)  # steps' windows + the final decode

@@ -299,23 +299,58 @@ def _messages(prompt: object) -> list[dict[str, str]] | None:
 
 
 class _TextStream:
-    """Incremental detokenization that holds back partial UTF-8 and possible stop strings."""
+    """Incremental detokenization that holds back partial UTF-8 and possible stop strings.
+
+    The text is kept up to date a few tokens at a time (the text of the tokens since the last
+    whole character, against the same tokens without the newest: vLLM's and HF's incremental
+    detokenizing), so each step decodes only its new tokens, and stop strings are looked for
+    only where the new text could complete one. The final text is decoded once, whole."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
         self.tokenizer, self.stop, self.emitted = tokenizer, stop, 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text, self.lo, self.hi, self.seen, self.cut = "", 0, 0, 0, -1
+
+    def _advance(self, ids: list[int]) -> None:
+        """Bring `text` (and `cut`, the first stop string's index or -1) up to `ids`, which
+        only ever grow by appending."""
+        if len(ids) < self.seen:  # not a continuation: start again
+            self.text, self.lo, self.hi, self.seen, self.cut = "", 0, 0, 0, -1
+        if len(ids) == self.seen:
+            return
+        self.seen = len(ids)
+        before = self.tokenizer.decode(ids[self.lo:self.hi])
+        after = self.tokenizer.decode(ids[self.lo:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # no whole new character yet
+        start = max(0, len(self.text) - self.holdback)
+        self.text += after[len(before):]
+        self.lo, self.hi = self.hi, len(ids)
+        if self.cut < 0:
+            found = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            self.cut = min(found) if found else -1
+
+    def stopped(self, ids: list[int]) -> bool:
+        """Whether the text of `ids` holds a stop string."""
+        self._advance(ids)
+        return self.cut >= 0
 
     def final_text(self, ids: list[int]) -> tuple[str, bool]:
+        """(the text of `ids` cut before its first stop string, whether one was found)."""
         text = self.tokenizer.decode(ids)
         cut = [text.find(s) for s in self.stop if s in text]
         return (text[: min(cut)], True) if cut else (text, False)
 
     def piece(self, ids: list[int], done: bool) -> str:
-        text, stopped = self.final_text(ids)
-        if not (done or stopped):
-            if text.endswith("\ufffd"):
-                return ""
-            text = text[: max(self.emitted, len(text) - self.holdback)]
+        """The text of `ids` not yet returned: all of it (up to a stop string) when `done`,
+        else only what no later token or stop string can change."""
+        if done:
+            text, _ = self.final_text(ids)
+        else:
+            self._advance(ids)
+            text = self.text[:max(self.emitted, len(self.text) - self.holdback)]
+            if self.cut >= 0:
+                text = self.text[:self.cut]
         out, self.emitted = text[self.emitted:], max(self.emitted, len(text))
         return out
 
@@ -329,7 +364,7 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
     cache, cached token counts). Returns the results and the final cache state."""
     stop = check_options(stop, n_keep=n_keep, context_shift=context_shift)
     streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
-    stop_fn = (lambda b, ids: streams[b].final_text(ids)[1]) if stop else None
+    stop_fn = (lambda b, ids: streams[b].stopped(ids)) if stop else None
     kv, cached = start if start is not None else (None, None)
     steps = generate_tokens(
         model.params, model.config, prompts, max_new_tokens=max_new_tokens, sampling=sampling,

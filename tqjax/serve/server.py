@@ -322,7 +322,7 @@ class Server:
                 pending.append(ev)
                 if ev.id not in eos:
                     text_ids.append(ev.id)
-                if stop and stream.final_text(text_ids)[1]:
+                if stop and stream.stopped(text_ids):
                     self.engine.cancel(req)
                     yield stream.piece(text_ids, True), pending, Finished(
                         "stop", len(ids), count, req.cached)
