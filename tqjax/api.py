@@ -355,6 +355,12 @@ class _TextStream:
         return out
 
 
+def _text_ids(ids: list[int], eos_ids: Sequence[int]) -> list[int]:
+    """A sequence's ids without its end-of-sequence token (an EOS ends a sequence, so only the
+    last id can be one): the list itself otherwise, not a copy made at every step."""
+    return ids[:-1] if ids and ids[-1] in eos_ids else ids
+
+
 def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, max_new_tokens: int,
          stop: Sequence[str], ctx: int, cache: CacheSpec, on_text: Callable[[str], None] | None,
          start: tuple[object, list[int]] | None = None, context_shift: bool = False,
@@ -379,14 +385,13 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
             state = end.value
             break
         if on_text is not None:
-            ids = [i for i in seqs[0].ids if i not in model.tokenizer.eos_ids]
+            ids = _text_ids(seqs[0].ids, model.tokenizer.eos_ids)
             piece = streams[0].piece(ids, seqs[0].done is not None)
             if piece:
                 on_text(piece)
     results = []
     for s, st, p in zip(seqs, streams, prompts, strict=True):
-        ids = [i for i in s.ids if i not in model.tokenizer.eos_ids]
-        text, _ = st.final_text(ids)
+        text, _ = st.final_text(_text_ids(s.ids, model.tokenizer.eos_ids))
         results.append(GenerationResult(text, s.ids, len(p), len(s.ids), s.done or "length",
                                         prefill_s, decode_s, s.cached, s.shifts,
                                         s.prefill_compile_s))
