@@ -64,3 +64,39 @@ def test_results_plan():
     assert lines[1].endswith("--out results/current/weights/weights_smollm2.json")
     assert len(lines) == 2
     assert_user_error(run("results.py", "--only", "golden,nope"), "unknown step 'nope'")
+
+
+def test_help_states_every_default(monkeypatch, capsys):
+    """Each command's --help gives every option that has a default (a number, a name) its
+    value, and every option some text."""
+    import argparse
+
+    from tqjax import cli
+
+    for name, target in entry_points().items():
+        parsers = []
+        real = argparse.ArgumentParser.parse_args
+
+        def grab(self, args=None, namespace=None, parsers=parsers, real=real):
+            parsers.append(self)
+            return real(self, ["--help"])
+
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+        module = importlib.import_module(target.partition(":")[0])
+        with pytest.raises(SystemExit) as e:
+            module.main([])
+        monkeypatch.undo()
+        assert e.value.code == 0 and len(parsers) == 1, name
+        text = " ".join(capsys.readouterr().out.split())
+        text = text[text.index("options:"):]  # not the usage line
+        assert isinstance(parsers[0], cli.ArgumentParser), name
+        for action in parsers[0]._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, (name, action.option_strings)
+            if (action.default is not None and action.default is not False
+                    and action.default not in ("", [], argparse.SUPPRESS)):
+                shown = action.option_strings[-1]
+                entry = text[text.index(shown + " "):]
+                assert f"default: {action.default}" in entry[:600] or "default" in action.help, (
+                    name, shown)

@@ -19,8 +19,28 @@ EXIT_USAGE = 2
 DEFAULT_KV_PRESET = "turbo4"
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that states each option's default where its text does not already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text and "%(default)" not in text
+                and action.default is not None and action.default is not False
+                and action.default not in ("", [], argparse.SUPPRESS)):
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+
+class RawDescriptionDefaultsFormatter(DefaultsFormatter, argparse.RawDescriptionHelpFormatter):
+    """DefaultsFormatter that keeps the description's own line breaks."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports errors as one line and exits 2."""
+    """argparse that reports errors as one line and exits 2, and states defaults in --help."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"{self.prog}: error: {message}", file=sys.stderr)

@@ -478,12 +478,12 @@ def check_sizes(args: argparse.Namespace, max_position: int | None = None) -> tu
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="tqjax-bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens prefilled")
     p.add_argument("--context", type=int, default=0,
                    help="cache position at which decode is timed (default: --prompt-tokens)")
     p.add_argument("--slots", type=int, default=0,
                    help="cache slots to allocate (default: just enough for the decode)")
-    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per repeat")
     p.add_argument("--repeats", type=int, default=3, help="repeats (the median is reported)")
     p.add_argument("--peers", default="", metavar="hf,llamacpp",
                    help="also time these on the same model and sizes, each in a subprocess")

@@ -37,7 +37,14 @@ import sys
 import time
 from pathlib import Path
 
-from tqjax.cli import ArgumentParser, check_writable, positive_float, print_json, run_main
+from tqjax.cli import (
+    ArgumentParser,
+    RawDescriptionDefaultsFormatter,
+    check_writable,
+    positive_float,
+    print_json,
+    run_main,
+)
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (results/ lives there)
 BENCH = (sys.executable, "-m", "tqjax.commands.bench")
@@ -234,7 +241,7 @@ def run_one(run: Run, dest: Path, bandwidth: float, timeout: float | None) -> tu
 def run(argv: list[str] | None = None) -> int:
     """The sweep; returns the exit status (1 if a run failed; user errors raise TqjaxError)."""
     p = ArgumentParser(prog="tqjax-bench-sweep", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=RawDescriptionDefaultsFormatter)
     p.add_argument("--preset", default="all",
                    help=f"comma-separated presets: {', '.join(PRESETS)}, or all")
     p.add_argument("--models", default=",".join(MODELS),

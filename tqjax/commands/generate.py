@@ -42,13 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each turn reuses the cache of the turns before it (/reset forgets "
                         "them; /exit or end of input ends)")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128,
+                   help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ctx-size", type=int, default=None,
                    help="context size in tokens (default: the model's)")

@@ -28,7 +28,7 @@ def run(argv: list[str] | None = None) -> int:
     src.add_argument("--corpus", default="shakespeare:hamlet",
                      help="named corpus: shakespeare:<play>, milton:<name> or python-stdlib "
                           "(default shakespeare:hamlet)")
-    p.add_argument("--ctx-size", type=int, default=512)
+    p.add_argument("--ctx-size", type=int, default=512, help="tokens per window")
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="tokens of the text to use (0 = all)")
     p.add_argument("--compare", action="store_true",

@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None = None) -> object:
     p = ArgumentParser(prog="tqjax-serve", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     p.add_argument("--slots", "-np", type=int, default=4,
                    help="cache rows: requests decoded together (default 4)")
     p.add_argument("--ctx-size", "-c", type=int, default=2048,
