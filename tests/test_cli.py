@@ -201,6 +201,8 @@ def test_invalid_sampling_values(flag, value, needle):
     ("perplexity.py", ["--max-tokens", "-5"], "--max-tokens must be >= 0"),
     ("perplexity.py", ["--ctx-size", "1"], "--ctx-size must be >= 2"),
     ("quantize.py", ["--out", "{file}/ckpt"], "cannot write --out"),
+    ("quantize.py", ["--out", "{tmp}/q", "--weights", "int8", "--seed", "3"],
+     "int8 weights are not rotated: a rotation seed would change nothing"),
     ("bench.py", ["--out", "{file}/run.json", "--bandwidth", "10"], "cannot write --out"),
 ])
 def test_options_refused_before_the_model_is_read(script, args, needle, tmp_path):

@@ -118,6 +118,10 @@ class WeightSpec:
         if not is_int(self.seed) or self.seed < 0:  # (numpy's generators take no negative seed)
             raise TqjaxError(f"the rotation seed must be an integer >= 0, got {self.seed!r}")
         self.base_format  # validates the group size  # noqa: B018
+        if (self.seed and self.method != MIXED and not self.quantize_embeddings
+                and not self.base_format.rotation_block):
+            raise TqjaxError(f"{self.method} weights are not rotated: a rotation seed would "
+                             f"change nothing (seed {self.seed})")
 
     @property
     def base_format(self) -> WeightFormat:
