@@ -291,6 +291,19 @@ def test_a_conversation_goes_through_the_chat_template_and_a_session_reuses_it(t
     batch = tqjax.generate(model, [chat, "plain text"], max_new_tokens=4, ctx_size=128)
     assert batch[0].token_ids == tqjax.generate(model, chat, max_new_tokens=4,
                                                 ctx_size=128).token_ids
+    # a batch of conversations, texts and token id lists; a bad item is named by its index
+    # ([chat, []] was read as one prompt of token ids: "token ids must be a 1-D sequence")
+    ids = tok.encode("plain text")
+    mixed = tqjax.generate(model, [chat, ids, "plain text"], max_new_tokens=4, ctx_size=128)
+    assert [r.token_ids for r in mixed] == [batch[0].token_ids, batch[1].token_ids,
+                                            batch[1].token_ids]
+    for bad, needle in (([chat, []], "prompt 1 of the batch is empty"),
+                        ([chat, ["x"]], "prompt 1 of the batch: token ids must be"),
+                        (["a", [{"role": "bot", "content": "x"}]],
+                         r"prompt 1 of the batch: messages\[0\]: role must be"),
+                        ([], "empty prompt")):
+        with pytest.raises(TqjaxError, match=needle):
+            tqjax.generate(model, bad, max_new_tokens=2, ctx_size=128)
     (d / "tokenizer_config.json").write_text("{}")
     with pytest.raises(TqjaxError, match="no chat template, so it takes no conversation"):
         encode_prompt(tqjax.load(d), chat)

@@ -409,6 +409,17 @@ def _context(model: Model, ctx_size: int | None) -> int:
     return ctx_size or limit
 
 
+def _encode_item(model: Model, prompt: Prompt, index: int | None, chat: bool,
+                 system: str | None) -> list[int]:
+    """`encode_prompt`, its errors naming the batch's prompt `index` (None: not a batch)."""
+    try:
+        return encode_prompt(model, prompt, chat, system)
+    except TqjaxError as e:
+        if index is None:
+            raise
+        raise TqjaxError(f"prompt {index} of the batch: {e}") from None
+
+
 def generate(model: Model, prompt: Prompt | list[str], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int = 0,
@@ -417,8 +428,8 @@ def generate(model: Model, prompt: Prompt | list[str], *,
              on_text: Callable[[str], None] | None = None, context_shift: bool = False,
              n_keep: int = 0, prompt_cache: str | Path | None = None,
              prompt_cache_ro: bool = False) -> GenerationResult | list[GenerationResult]:
-    """Generate a continuation; a list of strings (or of conversations) is run as one batch
-    (one result each).
+    """Generate a continuation; a list of prompts (strings, conversations or token id lists)
+    is run as one batch (one result each).
 
     Greedy when temperature is 0. `on_text` receives streamed text pieces (a single prompt
     only: with a batch it is a TqjaxError).
@@ -441,11 +452,14 @@ def generate(model: Model, prompt: Prompt | list[str], *,
     cache = as_cache_spec(cache)
     if model.tokenizer is None:
         raise TqjaxError(f"{model.source} has no tokenizer; use tqjax.logits for raw ids")
-    batched = (isinstance(prompt, list) and bool(prompt)
-               and all(isinstance(p, str) or _messages(p) is not None for p in prompt))
+    # a list of prompts (texts, conversations, token id lists) is a batch; a list of ids or
+    # of messages is one prompt
+    batched = (isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(p, Sequence) and not isinstance(p, bytes) for p in prompt))
     if batched and on_text is not None:
         raise TqjaxError("on_text streams one prompt's text; a batch returns its results")
-    prompts = [encode_prompt(model, p, chat, system) for p in (prompt if batched else [prompt])]
+    prompts = [_encode_item(model, p, i if batched else None, chat, system)
+               for i, p in enumerate(prompt if batched else [prompt])]
     if prompt_cache is None:
         results, _ = _run(model, prompts, sampling, max_new_tokens=max_new_tokens, stop=stop,
                           ctx=_context(model, ctx_size), cache=cache,
