@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tqjax.decode.sampling import (
     SamplingParams,
@@ -78,3 +79,15 @@ def test_any_integer_seed_and_top_k_are_taken_as_the_draws_take_them():
     off = dataclasses.replace(big, top_k=0)  # top-k off: the same draw
     assert (np.asarray(sample_rows(logits, seen, keys, row_sampling([big]))[0])
             == np.asarray(sample_rows(logits, seen, keys, row_sampling([off]))[0])).all()
+
+
+def test_settings_that_overflow_float32_are_refused():
+    """The draws run in float32: a temperature or repeat penalty past its largest value was
+    inf there (a RuntimeWarning, then a request served with it); the largest is kept."""
+    from tqjax.errors import TqjaxError
+
+    top = float(np.finfo(np.float32).max)
+    for name in ("temperature", "repeat_penalty"):
+        assert getattr(SamplingParams(**{name: top}), name) == top
+        with pytest.raises(TqjaxError, match=r"must be finite \(in float32\)"):
+            SamplingParams(**{name: 1e300})

@@ -10,7 +10,6 @@ sampling path runs only when some row samples.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import jax
@@ -19,6 +18,8 @@ import numpy as np
 from flax import struct
 
 from tqjax.errors import TqjaxError, is_int, is_real
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger setting would be inf in the draws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +47,18 @@ class SamplingParams:
         # (int32; any k >= the vocabulary keeps every token)
         object.__setattr__(self, "seed", int(self.seed) % (1 << 32))
         object.__setattr__(self, "top_k", min(int(self.top_k), (1 << 31) - 1))
-        if not 0 <= self.temperature < math.inf:
-            raise TqjaxError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:  # (the draws run in float32)
+            raise TqjaxError(f"temperature must be finite (in float32) and >= 0, got "
+                             f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise TqjaxError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise TqjaxError(f"min-p must be in [0, 1), got {self.min_p}")
         if self.top_k < 0:
             raise TqjaxError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.repeat_penalty < math.inf:
-            raise TqjaxError(f"repeat penalty must be finite and > 0, got {self.repeat_penalty}")
+        if not 0 < self.repeat_penalty <= FLOAT32_MAX:
+            raise TqjaxError(f"repeat penalty must be finite (in float32) and > 0, got "
+                             f"{self.repeat_penalty}")
 
 
 @struct.dataclass
