@@ -158,7 +158,9 @@ class GenerationResult:
         persistent cache) left out: a first call's prefill is mostly its compile (SmolLM2, an
         11-token prompt on a 2-core CPU: 4.4 s, 3.2 s of it compiling, 0.27 s once compiled).
         Other first-call costs stay in: tracing, and ~0.6 s more in a run whose programs come
-        from the persistent cache, so a first call's figure is still low."""
+        from the persistent cache, so a first call's figure is still low. In a batch each row's
+        prefill_s is the batch's (every row waited for all of it), so the rows' figures add up
+        to the batch's throughput."""
         done = self.prompt_tokens - self.cached_tokens
         run = self.prefill_s - self.prefill_compile_s
         if run <= 0:  # (another thread's compiles counted too: the wall time instead)
