@@ -51,3 +51,22 @@ def test_importing_tqjax_sets_them_before_xla_starts() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == flags_for(__import__("jaxlib").__version__)
+
+
+def test_compile_timer_counts_its_own_threads_compiles() -> None:
+    """A compile in another thread (a server's other work) is not the timed thread's: it made
+    a first prefill's compile time larger than its wall time."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from tqjax.xla import compile_timer
+
+    with compile_timer() as mine:
+        other = threading.Thread(target=lambda: jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(7)))
+        other.start()
+        other.join()
+        assert mine.seconds == 0.0
+        jax.jit(lambda x: x * 5.0 - 2.0)(jnp.ones(9)).block_until_ready()
+    assert mine.seconds > 0.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterator
 
 import jaxlib
@@ -76,21 +77,26 @@ _listening = False
 
 
 class CompileTimer:
-    """Seconds spent lowering and compiling programs while it is active (`compile_timer`)."""
+    """Seconds its thread spent lowering and compiling programs while it is active
+    (`compile_timer`)."""
 
-    seconds: float = 0.0
+    def __init__(self) -> None:
+        self.seconds, self.thread = 0.0, threading.get_ident()
 
 
 def _on_event(name: str, seconds: float, **_: object) -> None:
-    if name in COMPILE_EVENTS:
+    if name in COMPILE_EVENTS:  # (JAX reports a compile on the thread that asked for it)
+        me = threading.get_ident()
         for t in list(_timers):
-            t.seconds += seconds
+            if t.thread == me:
+                t.seconds += seconds
 
 
 @contextlib.contextmanager
 def compile_timer() -> Iterator[CompileTimer]:
-    """Count the seconds JAX spends compiling (any thread) inside the `with`, so a timing can
-    leave them out: a first prefill's wall time is mostly its compile."""
+    """Count the seconds JAX spends compiling for this thread inside the `with`, so a timing
+    can leave them out: a first prefill's wall time is mostly its compile (another thread's
+    compiles, e.g. a server's other work, are not this timing's)."""
     global _listening
     if not _listening:
         from jax import monitoring
