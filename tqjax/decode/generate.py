@@ -163,7 +163,7 @@ class GenerationResult:
         to the batch's throughput."""
         done = self.prompt_tokens - self.cached_tokens
         run = self.prefill_s - self.prefill_compile_s
-        if run <= 0:  # (another thread's compiles counted too: the wall time instead)
+        if run <= 0:  # (a guard: compiling is timed inside the prefill)
             run = self.prefill_s
         return done / run if run > 0 else 0.0
 
