@@ -690,3 +690,34 @@ def test_serve_command_checks_grace_and_mesh_before_loading():
     if jax.device_count() < 4:
         with pytest.raises(tqjax.TqjaxError, match="needs 4 devices"):
             serve.run(["-m", "nowhere", "--tp", "2", "--dp", "2"])
+
+
+def test_a_field_of_several_types_is_named_with_all_of_them():
+    """A body field that takes several types gets one message naming them (pydantic's first
+    error named the string branch only: "prompt.str: Input should be a valid string" for
+    [1, "a"]), or, where one type fits but its contents do not, the contents' own error."""
+    from tqjax.serve.server import ApiError, ChatRequest, CompletionRequest, _validate
+
+    def message(model, body):
+        with pytest.raises(ApiError) as e:
+            _validate(model, json.dumps(body).encode())
+        assert e.value.status == 400
+        return e.value.body()["error"]["message"], e.value.body()["error"]["param"]
+
+    for prompt in (5, [1, "a"], [[1]]):
+        assert message(CompletionRequest, {"prompt": prompt}) == (
+            "prompt: expected a string, a list of integers (token ids) or a list of strings",
+            "prompt")
+    assert message(CompletionRequest, {"prompt": "x", "stop": 5}) == (
+        "stop: expected a string or a list of strings", "stop")
+    assert message(CompletionRequest, {"prompt": "x", "stop": ["a", 5]}) == (
+        "stop[1]: Input should be a valid string", "stop[1]")
+    chat = {"role": "user", "content": 5}
+    assert message(ChatRequest, {"messages": [chat]})[0].startswith(
+        "messages[0].content: expected a string or a list of content parts")
+    assert message(ChatRequest, {"messages": [{**chat, "content": [{"type": "text"}]}]}) == (
+        "messages[0].content[0].text: Field required", "messages[0].content[0].text")
+    assert message(ChatRequest, {"messages": [{**chat, "role": 5}]})[0].startswith(
+        "messages[0].role: Input should be")
+    assert message(CompletionRequest, {"prompt": "x", "max_tokens": "a"})[0].startswith(
+        "max_tokens: Input should be a valid integer")

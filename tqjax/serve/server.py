@@ -25,6 +25,8 @@ import codecs
 import hmac
 import json
 import time
+import types
+import typing
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -215,9 +217,47 @@ def _validate(model: type[BaseModel], raw: bytes) -> Any:  # noqa: ANN401
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = _param(tuple(err.get("loc", ())))
-        raise ApiError(400, f"{param or 'body'}: {err.get('msg')}", param=param) from None
+        errors = e.errors()
+        loc = tuple(errors[0].get("loc", ()))
+        for k in range(len(loc) - 1, 0, -1):  # a field of several types: name them all
+            if _is_union(model, loc[:k]):
+                branch = [x for x in errors if tuple(x["loc"][:k]) == loc[:k]
+                          and len(x["loc"]) > k]
+                inside = [x for x in branch if len(x["loc"]) > k + 1]
+                if len({x["loc"][k] for x in inside}) == 1:  # one type fits, not its contents
+                    at = tuple(inside[0]["loc"])
+                    param = _param(at[:k] + at[k + 1:])
+                    raise ApiError(400, f"{param}: {inside[0].get('msg')}", param=param) from None
+                kinds = list(dict.fromkeys(str(x["loc"][k]) for x in branch))
+                param = _param(loc[:k])
+                names = [_KINDS.get(t, t) for t in kinds]
+                raise ApiError(400, f"{param}: expected {', '.join(names[:-1])} or {names[-1]}"
+                               if len(names) > 1 else f"{param}: expected {names[0]}",
+                               param=param) from None
+        param = _param(loc)
+        raise ApiError(400, f"{param or 'body'}: {errors[0].get('msg')}", param=param) from None
+
+
+_KINDS = {"str": "a string", "list[int]": "a list of integers (token ids)",
+          "list[str]": "a list of strings",
+          "list[ContentPart]": 'a list of content parts ({"type": "text", "text": ...})'}
+
+
+def _is_union(model: type[BaseModel], path: tuple) -> bool:
+    """Whether the field at `path` (names and list indices from `model`) has several types."""
+    t: Any = model
+    for x in path:
+        if isinstance(x, int):
+            args = typing.get_args(t)
+            if typing.get_origin(t) is not list or not args:
+                return False
+            t = args[0]
+        elif isinstance(t, type) and issubclass(t, BaseModel) and x in t.model_fields:
+            t = t.model_fields[x].annotation
+        else:
+            return False
+    members = [a for a in typing.get_args(t) if a is not type(None)]
+    return typing.get_origin(t) in (typing.Union, types.UnionType) and len(members) > 1
 
 
 def _sampling(body: _Common) -> SamplingParams:
