@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -124,27 +125,47 @@ def _kernel(x_ref: object, packed_ref: object, scale_ref: object, offset_ref: ob
         vals = vals.astype(dtype)  # as the reference casts Ŵ to x's dtype
         scale = scale_ref[:, g].astype(jnp.float32)
         offset = None if offset_ref is None else offset_ref[:, g].astype(jnp.float32)
-        cols = pl.ds(first, tile)
-        if rows is None:  # prefill: one [block_m, block_n] tile
-            xs = x_ref[:, cols]
-            part = plgpu.dot(xs, vals).astype(jnp.float32) * scale[None, :]
-            if offset is not None:
-                part += jnp.sum(xs.astype(jnp.float32), axis=1)[:, None] * offset[None, :]
-            return (acc[0] + part,)
-        out = []
-        for r in range(rows):  # decode: one multiply-and-reduce per row
-            xr = x_ref[r, cols].astype(jnp.float32)
-            part = jnp.sum(xr[:, None] * vals.astype(jnp.float32), axis=0) * scale
-            if offset is not None:
-                part += jnp.sum(xr) * offset
-            out.append(acc[r] + part)
-        return tuple(out)
+        return fold(acc, x_ref, pl.ds(first, tile), vals, scale, offset, rows)
 
+    accumulate(o_ref, rows, block_n, tiles_per_split, body)
+
+
+def fold(acc: tuple[jax.Array, ...], x_ref: object, cols: object, w: jax.Array,
+         scale: jax.Array, offset: jax.Array | None, rows: int | None,
+         trans_b: bool = False) -> tuple[jax.Array, ...]:
+    """acc + (x[:, cols] · w) · scale (+ Σ x[:, cols] · offset), per output column: w [L,
+    block_n] ([block_n, L] with `trans_b`) the decoded weights of the L input rows `cols`,
+    scale and offset f32 [block_n]. Prefill (`rows` None): one [block_m, block_n] tile, a dot
+    in x's dtype; decode: one multiply-and-reduce per row, in f32."""
+    if rows is None:
+        xs = x_ref[:, cols]
+        part = plgpu.dot(xs, w.astype(xs.dtype), trans_b=trans_b).astype(jnp.float32)
+        part = part * scale[None, :]
+        if offset is not None:
+            part += jnp.sum(xs.astype(jnp.float32), axis=1)[:, None] * offset[None, :]
+        return (acc[0] + part,)
+    wf = w.astype(jnp.float32)
+    out = []
+    for r in range(rows):
+        xr = x_ref[r, cols].astype(jnp.float32)
+        part = (jnp.sum(wf * xr[None, :], axis=1) if trans_b
+                else jnp.sum(xr[:, None] * wf, axis=0)) * scale
+        if offset is not None:
+            part += jnp.sum(xr) * offset
+        out.append(acc[r] + part)
+    return tuple(out)
+
+
+def accumulate(o_ref: object, rows: int | None, block_n: int, steps: int,
+               body: Callable[[jax.Array, tuple[jax.Array, ...]], tuple[jax.Array, ...]]
+               ) -> None:
+    """Run `body` (step, accumulators) for `steps` steps from zeros and store the result in
+    o_ref: one [block_m, block_n] tile (`rows` None), or one [block_n] vector per row."""
     if rows is None:
         init = (jnp.zeros(o_ref.shape, jnp.float32),)
     else:
         init = tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
-    acc = jax.lax.fori_loop(0, tiles_per_split, body, init)
+    acc = jax.lax.fori_loop(0, steps, body, init)
     if rows is None:
         o_ref[...] = acc[0]
     else:

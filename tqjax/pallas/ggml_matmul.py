@@ -32,7 +32,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from tqjax.errors import TqjaxError
 from tqjax.pallas.backend import default_interpret
-from tqjax.pallas.dequant_matmul import DECODE_ROWS, TARGET_PROGRAMS, Tiling
+from tqjax.pallas.dequant_matmul import (
+    DECODE_ROWS,
+    TARGET_PROGRAMS,
+    Tiling,
+    accumulate,
+    fold,
+)
 
 T = GGMLQuantizationType
 KERNEL_TYPES: tuple[int, ...] = tuple(int(t) for t in (
@@ -175,7 +181,6 @@ def _kernel(x_ref: object, *refs: object, ggml_type: int, block: int, blocks_per
     split = pl.program_id(2)
     t = T(ggml_type)
     parts, length = sub_blocks(ggml_type)
-    dtype = x_ref.dtype
     row_ids = jnp.arange(block_n, dtype=jnp.int32)
     layout = FIELDS[int(ggml_type)]
 
@@ -194,37 +199,13 @@ def _kernel(x_ref: object, *refs: object, ggml_type: int, block: int, blocks_per
         def load1(at: int) -> jax.Array:  # byte `at`, [block_n]
             return load(at, jnp.zeros((1,), jnp.int32))[:, 0]
 
-        acc = list(acc)
         for p in range(parts):
             q, scale, offset = _decode_part(t, load, load1, p, length)
-            cols = pl.ds(b * block + p * length, length)
-            if rows is None:  # prefill: [block_m, L] x [L, block_n]
-                xs = x_ref[:, cols]
-                part = plgpu.dot(xs, q.astype(dtype), trans_b=True).astype(jnp.float32)
-                part = part * scale[None, :]
-                if offset is not None:
-                    part += jnp.sum(xs.astype(jnp.float32), axis=1)[:, None] * offset[None, :]
-                acc[0] = acc[0] + part
-                continue
-            qf = q.astype(jnp.float32)
-            for r in range(rows):  # decode: one multiply-and-reduce per row
-                xr = x_ref[r, cols].astype(jnp.float32)
-                part = jnp.sum(qf * xr[None, :], axis=1) * scale
-                if offset is not None:
-                    part += jnp.sum(xr) * offset
-                acc[r] = acc[r] + part
-        return tuple(acc)
+            acc = fold(acc, x_ref, pl.ds(b * block + p * length, length), q, scale, offset,
+                       rows, trans_b=True)  # q [block_n, L]
+        return acc
 
-    if rows is None:
-        init = (jnp.zeros(o_ref.shape, jnp.float32),)
-    else:
-        init = tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
-    acc = jax.lax.fori_loop(0, blocks_per_split, body, init)
-    if rows is None:
-        o_ref[...] = acc[0]
-    else:
-        for r in range(rows):
-            o_ref[r, :] = acc[r]
+    accumulate(o_ref, rows, block_n, blocks_per_split, body)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
