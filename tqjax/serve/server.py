@@ -450,10 +450,7 @@ class Server:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(_guard(sse()), media_type="text/event-stream")
-        text, toks, fin = "", [], None
-        async for piece, new, f in events:
-            text, fin = text + piece, f
-            toks += new
+        text, toks, fin = await _collect(events)
         return {**base, "choices": [choice(text, toks, fin.reason, _TextOffsets())],
                 "usage": self._usage(fin)}
 
@@ -509,10 +506,7 @@ class Server:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(_guard(sse()), media_type="text/event-stream")
-        text, toks, fin = "", [], None
-        async for piece, new, f in events:
-            text, fin = text + piece, f
-            toks += new
+        text, toks, fin = await _collect(events)
         return {"id": cid, "object": "chat.completion", "created": created,
                 "model": self.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -595,6 +589,16 @@ async def _first(events: AsyncIterator) -> tuple | None:
         return await events.__anext__()
     except StopAsyncIteration:
         return None
+
+
+async def _collect(events: AsyncIterator) -> tuple[str, list[Token], Finished]:
+    """A non-streamed response's whole text, tokens and end, from its events."""
+    pieces, toks, fin = [], [], None
+    async for piece, new, f in events:
+        pieces.append(piece)
+        toks += new
+        fin = f
+    return "".join(pieces), toks, fin
 
 
 async def _chain(first: tuple | None, events: AsyncIterator) -> AsyncIterator:
