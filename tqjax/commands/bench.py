@@ -255,6 +255,17 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, s
 
 # --- peers (each in its own process) ---------------------------------------------------------
 
+def _peer_speeds(prompt_tokens: int, prefill_times: list[float], decode_tokens: int,
+                 run_s: list[float]) -> dict:
+    """A peer's speeds: prompt tokens per second of the median prefill, and decode tokens per
+    second of the median run (each run `decode_tokens` steps), with every run's figure."""
+    decode_s = statistics.median(run_s) / decode_tokens
+    return {"prefill_tok_s": round(prompt_tokens / statistics.median(prefill_times), 2),
+            "decode_tok_s": round(1 / decode_s, 2),
+            "decode_ms_per_token": round(1000 * decode_s, 3),
+            "decode_tok_s_runs": [round(decode_tokens / t, 2) for t in run_s]}
+
+
 def peer_hf(model_path: str, prompt_tokens: int, context: int, decode_tokens: int,
             repeats: int) -> dict:
     """HF transformers, torch f32 on all cores: prefill of `prompt_tokens`, then decode at
@@ -299,11 +310,7 @@ def peer_hf(model_path: str, prompt_tokens: int, context: int, decode_tokens: in
                 past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             run_s.append(time.perf_counter() - t0)
             del past, out
-    decode_s = statistics.median(run_s) / decode_tokens
-    return {"prefill_tok_s": round(prompt_tokens / statistics.median(prefill_times), 2),
-            "decode_tok_s": round(1 / decode_s, 2),
-            "decode_ms_per_token": round(1000 * decode_s, 3),
-            "decode_tok_s_runs": [round(decode_tokens / t, 2) for t in run_s],
+    return {**_peer_speeds(prompt_tokens, prefill_times, decode_tokens, run_s),
             "load_s": round(load_s, 2), "rss_after_load_bytes": rss_load,
             "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
             "threads": torch.get_num_threads(), "dtype": "float32"}
@@ -345,11 +352,7 @@ def peer_llamacpp(model_path: str, prompt_tokens: int, context: int, decode_toke
         for t in steps[2:]:
             llm.eval([t])
         run_s.append(time.perf_counter() - t0)
-    decode_s = statistics.median(run_s) / decode_tokens
-    return {"prefill_tok_s": round(prompt_tokens / statistics.median(prefill_times), 2),
-            "decode_tok_s": round(1 / decode_s, 2),
-            "decode_ms_per_token": round(1000 * decode_s, 3),
-            "decode_tok_s_runs": [round(decode_tokens / t, 2) for t in run_s],
+    return {**_peer_speeds(prompt_tokens, prefill_times, decode_tokens, run_s),
             "load_s": round(load_s, 2), "rss_after_load_bytes": rss_load,
             "version": f"llama-cpp-python {llama_cpp.__version__}", "threads": threads,
             "n_ctx": llm.n_ctx()}
