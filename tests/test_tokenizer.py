@@ -250,33 +250,83 @@ def test_llama3_tokenizer_json_bos_matches_hf(case, tmp_path):
 
 
 # ------------------------------------------------------------------- incremental detokenizing
+class _CountingDecodes:
+    """A tokenizer that counts the ids it decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, skip_special=True):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, skip_special)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def _stream(tok, ids, stop):
+    """api._TextStream fed one more token at a time, as generation does: (pieces, tokens fed,
+    whether it stopped)."""
+    from tqjax.api import _TextStream
+
+    stream, pieces = _TextStream(tok, stop), []
+    for n in range(1, len(ids) + 1):
+        if stream.stopped(ids[:n]):
+            break
+        pieces.append(stream.piece(ids[:n], False))
+    pieces.append(stream.piece(ids[:n], True))
+    return pieces, n
+
+
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
 def test_streamed_text_is_the_whole_decode_and_each_step_decodes_only_its_tokens(
         kind, spm_gguf):
-    """api._TextStream, fed one more token at a time as generation does: its pieces join to
-    the tokenizer's decode of all the ids (multi-byte characters split over byte tokens,
-    SentencePiece's leading space) and it stops where the whole decode first holds a stop
-    string; each step decodes a few tokens, not all of them again (was quadratic)."""
-    from tqjax.api import _TextStream
-
+    """Streamed pieces join to the tokenizer's decode of all the ids (multi-byte characters
+    split over byte tokens, SentencePiece's leading space), and the stream stops where the
+    whole decode first holds a stop string; each step decodes a few tokens, not all of them
+    again (was quadratic)."""
     tok = spm_gguf if kind == "sentencepiece" else tokenizer_from_hf_dir(TOK / "llama3", (),
                                                                           None)
     ids = [i for t in PLAIN_TEXTS for i in tok.encode(t)]
-    decoded = [0]
-    counting = type("Counting", (), {
-        "decode": lambda self, x, skip_special=True: (decoded.__setitem__(0, decoded[0] + len(x))
-                                                      or tok.decode(x, skip_special))})()
     whole = tok.decode(ids)
     for stop in ([], ["नमस्ते"], ["🧪🏳", "lazy"], ["\nWhether 'tis"]):
-        stream, pieces, decoded[0] = _TextStream(counting, stop), [], 0
-        for n in range(1, len(ids) + 1):
-            stopped = stream.stopped(ids[:n])
-            head = tok.decode(ids[:n])
-            assert stopped == any(s in head for s in stop), (stop, n)
-            if stopped:
-                break
-            pieces.append(stream.piece(ids[:n], False))
-        pieces.append(stream.piece(ids[:n], True))
+        counting = _CountingDecodes(tok)
+        pieces, n = _stream(counting, ids, stop)
         cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
         assert "".join(pieces) == whole[:cut] and (cut < len(whole)) == bool(stop)
-        assert decoded[0] <= 6 * n + 2 * n, (decoded[0], n)  # steps' windows + the final decode
+        assert all(s not in tok.decode(ids[:n - 1]) for s in stop)  # it stopped at once
+        # linear, but for runs of byte pieces, each decoded again until it closes
+        runs = "".join("b" if tok.is_byte_piece(i) else " " for i in ids[:n]).split()
+        bound = 8 * n + 2 * sum((len(r) + 2) ** 2 for r in runs)
+        assert counting.decoded <= bound, (counting.decoded, bound, n)
+        assert stop or bound < n * n / 8  # (the whole text: far below decoding all per step)
+
+
+def test_streaming_holds_back_only_what_may_begin_a_stop_string():
+    """Not the stop string's length minus one at every step (a 32-character stop made the
+    stream come in lumps): only the end of the text that is the start of a stop string."""
+    from tqjax.api import _TextStream
+
+    tok = tokenizer_from_hf_dir(TOK / "llama3", (), None)
+    for text, held in (("hello there", ""), ("hello wor", "wor"), ("hello world", "world"),
+                       ("hello x", "x"), ("hello xy", "xy")):
+        ids = tok.encode(text, add_bos=False)
+        stream = _TextStream(tok, ["world peace", "xyz"])
+        streamed = "".join(stream.piece(ids[:n], False) for n in range(1, len(ids) + 1))
+        assert streamed + held == text and not stream.stopped(ids), (text, streamed)
+        assert stream.piece(ids, True) == held
+
+
+def test_streamed_text_of_byte_pieces_that_are_not_utf8(spm_gguf):
+    """A SentencePiece decoder reads a run of byte pieces (<0xE4>) whole: a run that is not
+    valid UTF-8 is one U+FFFD per byte, its whole characters included, so the stream holds a
+    run back until a token ends it ("中" was streamed, then the text came back as "����")."""
+    tok = spm_gguf
+    ids = tok.encode("中文 x", add_bos=False)
+    assert sum(map(tok.is_byte_piece, ids)) == 6 and not tok.is_byte_piece(ids[-1])
+    rng = np.random.default_rng(0)
+    for drop in [None, 5, 6] + list(rng.integers(1, len(ids), 8)):
+        cut = ids if drop is None else ids[:drop] + ids[drop + 1:]
+        for n in range(1, len(cut) + 1):
+            pieces, _ = _stream(tok, cut[:n], [])
+            assert "".join(pieces) == tok.decode(cut[:n]), (cut[:n], pieces)

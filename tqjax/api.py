@@ -304,12 +304,20 @@ class _TextStream:
     The text is kept up to date a few tokens at a time (the text of the tokens since the last
     whole character, against the same tokens without the newest: vLLM's and HF's incremental
     detokenizing), so each step decodes only its new tokens, and stop strings are looked for
-    only where the new text could complete one. The final text is decoded once, whole."""
+    only where the new text could complete one; only the end that could begin a stop string
+    is held back (llama.cpp's partial stop). The final text is decoded once, whole."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
         self.tokenizer, self.stop, self.emitted = tokenizer, stop, 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text, self.lo, self.hi, self.seen, self.cut = "", 0, 0, 0, -1
+
+    def _held(self) -> int:
+        """Characters at the end of `text` that may begin a stop string (held back)."""
+        for k in range(min(self.holdback, len(self.text)), 0, -1):
+            if any(len(s) > k and self.text.endswith(s[:k]) for s in self.stop):
+                return k
+        return 0
 
     def _advance(self, ids: list[int]) -> None:
         """Bring `text` (and `cut`, the first stop string's index or -1) up to `ids`, which
@@ -321,14 +329,28 @@ class _TextStream:
         self.seen = len(ids)
         before = self.tokenizer.decode(ids[self.lo:self.hi])
         after = self.tokenizer.decode(ids[self.lo:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return  # no whole new character yet
+        new = after[len(before):]
         start = max(0, len(self.text) - self.holdback)
-        self.text += after[len(before):]
-        self.lo, self.hi = self.hi, len(ids)
+        if new and not after.endswith("\ufffd") and not self._open_run(ids):
+            self.text += new
+            self.lo, self.hi = self.hi, len(ids)
+            seen = self.text
+        else:  # no whole new character yet: its text so far may still complete a stop
+            seen = self.text + new.rstrip("\ufffd")
         if self.cut < 0:
-            found = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            found = [i for s in self.stop if (i := seen.find(s, start)) >= 0]
             self.cut = min(found) if found else -1
+
+    def _open_run(self, ids: list[int]) -> bool:
+        """Whether `ids` end in a run of byte pieces, which the decoder reads whole, so that it
+        stays open until a token ends it (a token that decodes to nothing, e.g. a skipped
+        special one, does not)."""
+        for tid in reversed(ids):
+            if self.tokenizer.is_byte_piece(tid):
+                return True
+            if self.tokenizer.decode([tid]):
+                return False
+        return False
 
     def stopped(self, ids: list[int]) -> bool:
         """Whether the text of `ids` holds a stop string."""
@@ -348,9 +370,8 @@ class _TextStream:
             text, _ = self.final_text(ids)
         else:
             self._advance(ids)
-            text = self.text[:max(self.emitted, len(self.text) - self.holdback)]
-            if self.cut >= 0:
-                text = self.text[:self.cut]
+            text = self.text[:self.cut] if self.cut >= 0 else self.text[
+                :max(self.emitted, len(self.text) - self._held())]  # (cut may be past text)
         out, self.emitted = text[self.emitted:], max(self.emitted, len(text))
         return out
 

@@ -121,6 +121,18 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace(SPIECE_UNDERLINE, " ").encode("utf-8")
 
+    def is_byte_piece(self, tid: int) -> bool:
+        """Whether token `tid` is a byte-fallback piece (<0xE2>) of a SentencePiece-style
+        vocabulary, whose decoder reads a run of them as a whole: a run that is not valid
+        UTF-8 comes out as one U+FFFD per byte, characters already whole in it included."""
+        if self.is_sentencepiece:
+            return bool(self.backend.is_byte(tid))
+        if self._byte_level:
+            return False
+        piece = self.backend.id_to_token(tid)
+        return (piece is not None and len(piece) == 6 and piece.startswith("<0x")
+                and piece.endswith(">"))
+
     @functools.cached_property
     def _byte_level(self) -> bool:
         """Whether the HF tokenizer's decoder maps byte-level symbols back to bytes."""
