@@ -98,6 +98,8 @@ def test_streaming_pieces_add_up_and_stop_strings_cut(text_model):
 def test_batch_generate_returns_one_result_per_prompt(text_model):
     with pytest.raises(TqjaxError, match="on_text"):  # it was ignored: no text came to it
         tqjax.generate(text_model, ["a", "b"], max_new_tokens=4, on_text=print)
+    with pytest.raises(TqjaxError, match="on_text must be a function"):  # (a TypeError)
+        tqjax.generate(text_model, "a", max_new_tokens=4, on_text=5)
     np_settings = tqjax.generate(text_model, "a", max_new_tokens=4, temperature=np.float32(0.7),
                                  top_k=np.int64(5), seed=np.int32(2))  # numpy numbers accepted
     assert np_settings.token_ids == tqjax.generate(text_model, "a", max_new_tokens=4,
@@ -333,7 +335,11 @@ def test_token_ids_that_are_not_integers_are_refused(text_model, ids):
 
     with pytest.raises(TqjaxError, match="token ids must be"):
         tqjax.logits(text_model, ids)
-    if not isinstance(ids, str):  # (text is a prompt to generate)
+    if ids == [[3, 4]]:  # a batch of one prompt of ids, for generate
+        batch = tqjax.generate(text_model, ids, max_new_tokens=2)
+        assert [r.token_ids for r in batch] == [
+            tqjax.generate(text_model, [3, 4], max_new_tokens=2).token_ids]
+    elif not isinstance(ids, str):  # (text is a prompt to generate)
         with pytest.raises(TqjaxError, match="token ids must be"):
             tqjax.generate(text_model, ids, max_new_tokens=2)
     with pytest.raises(TqjaxError, match="token ids must be"):

@@ -390,6 +390,9 @@ def _run(model: Model, prompts: list[list[int]], sampling: SamplingParams, *, ma
     """Generate for tokenized prompts (streaming row 0 when `on_text`); `start` = (starting
     cache, cached token counts). Returns the results and the final cache state."""
     stop = check_options(stop, n_keep=n_keep, context_shift=context_shift)
+    if on_text is not None and not callable(on_text):
+        raise TqjaxError(f"on_text must be a function (it gets each piece of text), got "
+                         f"{type(on_text).__name__}")
     streams = [_TextStream(model.tokenizer, stop) for _ in prompts]
     stop_fn = (lambda b, ids: streams[b].stopped(ids)) if stop else None
     kv, cached = start if start is not None else (None, None)
