@@ -527,3 +527,85 @@ def test_quantized_as_read_holds_one_dense_layer(tiny_gguf, calibrated, monkeypa
     for i in range(1, ckpt.config.num_layers):
         first = next(k for k, e in enumerate(events) if e.startswith(f"read model.layers.{i}."))
         assert events[:first].count("quantize") == 7 * i
+
+
+# ------------------------------------------------------------ what a user's HF directory may hold
+def _edited_copy(tmp_path, name="llama", config=None, tensors=None, extra_files=None):
+    """golden/tiny/<name> copied, its config.json edited by `config(cfg)` and its tensors by
+    `tensors(dict)`; `extra_files`: {file name: bytes or a tensor dict}."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    d = tmp_path / f"{name}-edited"
+    shutil.copytree(GOLDEN / "tiny" / name, d)
+    if config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        config(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        t = load_file(d / "model.safetensors")
+        tensors(t)
+        save_file(t, d / "model.safetensors")
+    for fname, content in (extra_files or {}).items():
+        if isinstance(content, dict):
+            save_file(content, d / fname)
+        else:
+            (d / fname).write_bytes(content)
+    return d
+
+
+@pytest.mark.parametrize("edit,needle", [
+    # tensor shapes against the config (a short table's ids were clamped, a [1] norm broadcast,
+    # a wrong q_proj failed deep in a dot)
+    (dict(tensors=lambda t: t.update({"model.embed_tokens.weight":
+                                      t["model.embed_tokens.weight"][:200]})),
+     "model.embed_tokens.weight has shape (200, 64), but the model's configuration gives "
+     "(256, 64)"),
+    (dict(tensors=lambda t: t.update({"model.norm.weight": np.ones(1, np.float32)})),
+     "model.norm.weight has shape (1,)"),
+    (dict(tensors=lambda t: t.update({"model.layers.0.self_attn.q_proj.weight":
+                                      t["model.layers.0.self_attn.q_proj.weight"][:32]})),
+     "model.layers.0.self_attn.q_proj.weight has shape (32, 64)"),
+    (dict(config=lambda c: c.update(vocab_size=300)), "gives (300, 64)"),
+    (dict(config=lambda c: c.update(head_dim=32)), "q_proj.weight has shape"),
+    # config fields (KeyError / ValueError tracebacks)
+    (dict(config=lambda c: c.pop("vocab_size")), "config.json has no 'vocab_size'"),
+    (dict(config=lambda c: c.update(num_attention_heads="four")), "config.json has a bad value"),
+    (dict(config=lambda c: c.update(rope_parameters={"rope_type": "linear"})),
+     "config.json has no 'factor'"),
+    (dict(config=lambda c: c.update(num_key_value_heads=3)),
+     "4 attention heads are not a multiple of its 3 key/value heads"),
+    (dict(config=lambda c: c.update(quantization_config={"quant_method": "fp8"})),
+     "a quantized HF checkpoint (quantization_config 'fp8')"),
+    # the files (a JSONDecodeError / AttributeError; a duplicate silently won; float8 read)
+    (dict(extra_files={"model.safetensors.index.json": b"{not json"}), "corrupt?"),
+    (dict(extra_files={"model.safetensors.index.json": b"[]"}), "expected a JSON dict"),
+    (dict(extra_files={"zz-extra.safetensors": {"model.norm.weight": np.full(64, 5.0,
+                                                                             np.float32)}}),
+     "tensor model.norm.weight is in both model.safetensors and zz-extra.safetensors"),
+    (dict(tensors=lambda t: t.update({"model.norm.weight": np.ones(64, np.int8)})),
+     "tensor model.norm.weight is I8, which tqjax does not read (F32, F16, BF16)"),
+])
+def test_a_directory_that_does_not_make_its_model_is_one_line(tmp_path, edit, needle):
+    d = _edited_copy(tmp_path, **edit)
+    with pytest.raises(TqjaxError) as e:
+        tqjax.load(d)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_config_variants_a_user_may_bring(tmp_path):
+    """No "architectures" but a known model_type reads as that model (as HF's AutoModel does);
+    rope scaling given in rope_parameters without rope_theta is read, not ignored; Qwen3 with
+    attention_bias is refused (the biases were ignored)."""
+    ids = np.arange(1, 17, dtype=np.int32)
+    want = tqjax.logits(tqjax.load(GOLDEN / "tiny" / "llama"), ids)
+    plain = _edited_copy(tmp_path, config=lambda c: c.pop("architectures"))
+    np.testing.assert_array_equal(tqjax.logits(tqjax.load(plain), ids), want)
+    scaled = _edited_copy(tmp_path / "s", config=lambda c: c.update(
+        rope_parameters={"rope_type": "linear", "factor": 4.0}))
+    assert tqjax.load(scaled).config.rope_scaling.factor == 4.0
+    with pytest.raises(TqjaxError, match="unsupported qwen3 variant: attention_bias"):
+        tqjax.load(_edited_copy(tmp_path, "qwen3", config=lambda c: c.update(
+            attention_bias=True)))

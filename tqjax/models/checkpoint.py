@@ -43,7 +43,7 @@ from tqjax.models.config import GGUF_ARCHITECTURES, ModelConfig, RopeScaling
 from tqjax.models.tokenizer import Tokenizer
 from tqjax.models.transformer import LINEARS, LayerParams, Params
 from tqjax.quant.accounting import params_bits
-from tqjax.quant.half import HalfLinear
+from tqjax.quant.half import HalfLinear, dense
 from tqjax.quant.rotation import Rotation
 from tqjax.quant.weights import KINDS, QuantizedLinear, WeightFormat, format_lut
 
@@ -107,8 +107,10 @@ class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         with self._open() as st:
-            self.shapes = {name: tuple(st.get_slice(name).get_shape())
-                           for name in st.keys()}  # noqa: SIM118 (safe_open is not a dict)
+            slices = {name: st.get_slice(name)
+                      for name in st.keys()}  # noqa: SIM118 (safe_open is not a dict)
+            self.shapes = {name: tuple(s.get_shape()) for name, s in slices.items()}
+            self.dtypes = {name: s.get_dtype() for name, s in slices.items()}
 
     def _open(self) -> Any:
         from safetensors import SafetensorError, safe_open
@@ -212,6 +214,7 @@ def _to_tensors(params: Params, dense_dtype: jnp.dtype | None
 
     for name, value in flatten_params(params).items():
         if not isinstance(value, QuantizedLinear):
+            value = dense(value)  # (a half-precision linear kept as the model runs it)
             keep = name == "rope_inv_freq" or dense_dtype is None
             tensors[name] = value if keep else value.astype(dense_dtype)
             continue

@@ -96,8 +96,22 @@ def _rope_from_hf(raw: dict[str, Any] | None) -> RopeScaling | None:
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Build a config from a parsed HF `config.json` (old `rope_theta` or new `rope_parameters`)."""
+    """Build a config from a parsed HF `config.json` (old `rope_theta` or new `rope_parameters`);
+    a missing or bad field is a TqjaxError naming it."""
+    try:
+        return check_config(_config_from_hf(cfg))
+    except KeyError as e:
+        raise TqjaxError(f"config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise TqjaxError(f"config.json has a bad value: {e}") from None
+
+
+def _config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise TqjaxError("config.json is not a JSON object")
     archs = cfg.get("architectures") or []
+    if not archs and cfg.get("model_type") in GGUF_ARCHITECTURES:  # (as AutoModel reads it)
+        archs = [a for a, name in HF_ARCHITECTURES.items() if name == cfg["model_type"]]
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         names = ", ".join(HF_ARCHITECTURES)
@@ -105,13 +119,19 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
                          f"(supported: {names})")
     if cfg.get("hidden_act", "silu") != "silu":
         raise TqjaxError(f"unsupported activation {cfg['hidden_act']!r} (only silu)")
-    if (cfg.get("attention_bias") and arch == "llama") or cfg.get("mlp_bias"):
-        raise TqjaxError("unsupported Llama variant: attention_bias/mlp_bias are not implemented")
+    if (cfg.get("attention_bias") and arch != "qwen2") or cfg.get("mlp_bias"):
+        raise TqjaxError(f"unsupported {arch} variant: attention_bias/mlp_bias are not "
+                         f"implemented")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise TqjaxError(f"unsupported: a quantized HF checkpoint (quantization_config "
+                         f"{method!r}); use the unquantized model or a GGUF file")
     if cfg.get("use_sliding_window"):
         raise TqjaxError("unsupported: sliding-window attention (use_sliding_window=true)")
     rope = cfg.get("rope_parameters") or {}
-    if "rope_theta" in rope:  # transformers >= 5 layout: theta and scaling in one dict
-        theta, scaling = rope["rope_theta"], rope
+    if rope:  # transformers >= 5 layout: theta and scaling in one dict
+        theta, scaling = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)), rope
     else:
         theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
     eos = cfg.get("eos_token_id")
@@ -137,7 +157,41 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def config_from_gguf(meta: dict[str, Any], has_output_weight: bool) -> ModelConfig:
-    """Build a config from GGUF metadata (`{arch}.block_count`, ...) as a plain dict."""
+    """Build a config from GGUF metadata (`{arch}.block_count`, ...) as a plain dict; a
+    missing or bad key is a TqjaxError naming it."""
+    try:
+        return check_config(_config_from_gguf(meta, has_output_weight))
+    except KeyError as e:
+        raise TqjaxError(f"GGUF metadata has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise TqjaxError(f"GGUF metadata has a bad value: {e}") from None
+
+
+def check_config(config: ModelConfig) -> ModelConfig:
+    """The config itself, if its sizes can make a model; else a TqjaxError."""
+    c = config
+    sizes = {"vocab size": c.vocab_size, "hidden size": c.hidden_size,
+             "intermediate size": c.intermediate_size, "layers": c.num_layers,
+             "attention heads": c.num_heads, "key/value heads": c.num_kv_heads,
+             "head dim": c.head_dim, "context length": c.max_position}
+    for name, value in sizes.items():
+        if value < 1:
+            raise TqjaxError(f"the model's {name} must be >= 1, got {value}")
+    if c.num_heads % c.num_kv_heads:
+        raise TqjaxError(f"the model's {c.num_heads} attention heads are not a multiple of its "
+                         f"{c.num_kv_heads} key/value heads")
+    if c.head_dim % 2:
+        raise TqjaxError(f"the model's head dim must be even (rotary pairs), got {c.head_dim}")
+    if not (c.rms_eps > 0 and c.rope_theta > 0):
+        raise TqjaxError(f"the model's rms eps and rope theta must be > 0, got {c.rms_eps} "
+                         f"and {c.rope_theta}")
+    if c.rope_scaling is not None and not c.rope_scaling.factor > 0:
+        raise TqjaxError(f"the model's rope scaling factor must be > 0, got "
+                         f"{c.rope_scaling.factor}")
+    return config
+
+
+def _config_from_gguf(meta: dict[str, Any], has_output_weight: bool) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise TqjaxError(f"unsupported GGUF architecture {arch!r} "

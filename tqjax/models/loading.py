@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -76,13 +75,14 @@ class StoredTensor:
     read(rows): rows (a slice or an int array of indices along shape[0]) as float32
       [len(rows), *shape[1:]].
     ggml_type, raw (GGUF files only): the tensor's ggml type and raw() its bytes as the file
-      has them, uint8 [shape[0], bytes per row].
+      has them, uint8 [shape[0], bytes per row]. dtype (safetensors only): the stored dtype.
     """
 
     shape: tuple[int, ...]
     read: Callable[[slice | np.ndarray], np.ndarray]
     ggml_type: int | None = None
     raw: Callable[[], np.ndarray] | None = None
+    dtype: str | None = None  # a safetensors file's dtype name ("BF16")
 
 
 def place(t: StoredTensor, dtype: jnp.dtype, transpose: bool = False,
@@ -119,10 +119,16 @@ def read_hf_config(path: Path) -> ModelConfig:
     return config_from_hf(raw)
 
 
+SAFETENSORS_DTYPES = ("F32", "F16", "BF16")  # tensor dtypes read (as float32)
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json(index, dict).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise TqjaxError(f"{index}: weight_map must map tensor names to file names")
         files = sorted({path / f for f in weight_map.values()})
     else:
         files = sorted(path.glob("*.safetensors"))
@@ -136,11 +142,15 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def safetensors_tensors(files: list[Path]) -> dict[str, StoredTensor]:
     """Index the tensors of safetensors files by name (nothing is read yet)."""
-    out = {}
+    out, where = {}, {}
     for f in files:
         st = SafetensorsFile(f)
         for name, shape in st.shapes.items():
-            out[name] = StoredTensor(shape, functools.partial(_read_safetensor, st, name))
+            if name in out:  # (which one would be read depended on the files' order)
+                raise TqjaxError(f"tensor {name} is in both {where[name].name} and {f.name}")
+            out[name] = StoredTensor(shape, functools.partial(_read_safetensor, st, name),
+                                     dtype=st.dtypes[name])
+            where[name] = f
     return out
 
 
@@ -241,6 +251,24 @@ def param_names(config: ModelConfig) -> dict[str, str]:
     return names
 
 
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape the config gives each of `param_names`' tensors, as stored by HF ([out, in]
+    for a linear)."""
+    d, v, hd = config.hidden_size, config.vocab_size, config.head_dim
+    q, kv, ff = config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size
+    by_suffix = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+                 "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+                 "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+                 "mlp.gate_proj.weight": (ff, d), "mlp.up_proj.weight": (ff, d),
+                 "mlp.down_proj.weight": (d, ff), "self_attn.q_proj.bias": (q,),
+                 "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    top = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+           "lm_head.weight": (v, d)}
+    return {n: top[n] if n in top else by_suffix[n.split(".", 3)[3]]
+            for n in param_names(config)}
+
+
 @dataclasses.dataclass
 class Checkpoint:
     """An opened HF directory or GGUF file: config, metadata and tensor index. Nothing is read
@@ -267,6 +295,15 @@ class Checkpoint:
         missing = [n for n in self.names if n not in self.tensors]
         if missing:
             raise TqjaxError(f"checkpoint is missing tensor {missing[0]}")
+        for name in self.names:
+            if self.tensors[name].dtype not in (None, *SAFETENSORS_DTYPES):
+                raise TqjaxError(f"tensor {name} is {self.tensors[name].dtype}, which tqjax "
+                                 f"does not read ({', '.join(SAFETENSORS_DTYPES)})")
+        for name, shape in param_shapes(self.config).items():  # (else wrong answers or a
+            # traceback deep in the model: a short table's ids clamp, a [1] norm broadcasts)
+            if tuple(self.tensors[name].shape) != shape:
+                raise TqjaxError(f"{name} has shape {tuple(self.tensors[name].shape)}, but the "
+                                 f"model's configuration gives {shape}")
 
     def leaf(self, name: str, runtime: bool = False) -> Any:
         """The tensor `name` (an HF name among `param_names`) read, converted and placed.
