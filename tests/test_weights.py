@@ -903,6 +903,30 @@ def test_quantize_script_reads_an_orbax_checkpoint_whole(tmp_path):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+def test_a_half_precision_orbax_checkpoint_with_its_own_head_quantizes_and_saves(tmp_path):
+    """A bf16 model's untied head stays a half-precision linear through the quantizer; saving
+    it failed after all the quantizing ('HalfLinear' object has no attribute 'astype'). A
+    truncated orbax data file is a one-line error (TensorStore raised a bare Exception)."""
+    from tqjax.commands.quantize import run
+    from tqjax.models.orbax_checkpoint import save_sharded
+    from tqjax.quant import half
+
+    m = tqjax.load(GOLDEN / "tiny" / "llama", dtype="bfloat16")
+    assert not m.config.tie_embeddings
+    save_sharded(tmp_path / "orbax", m.params, m.config)
+    assert run(["--model", str(tmp_path / "orbax"), "--out", str(tmp_path / "q"), "--weights",
+                "int8", "--calibration", "none", "--json"]) == 0
+    q = tqjax.load(tmp_path / "q")
+    head = np.asarray(half.dense(m.params.lm_head), np.float32)
+    np.testing.assert_allclose(np.asarray(half.dense(q.params.lm_head), np.float32), head,
+                               rtol=2**-11, atol=2**-24)  # (stored float16, the default)
+    biggest = max((f for f in (tmp_path / "orbax").rglob("*") if f.is_file()),
+                  key=lambda f: f.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    with pytest.raises(TqjaxError, match="truncated or corrupt"):
+        tqjax.load(tmp_path / "orbax")
+
+
 def test_quantize_records_the_calibration_sha256(tmp_path):
     """A calibrated checkpoint names its calibration text by the sha256 of the shipped file."""
     import hashlib

@@ -221,7 +221,7 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
                                     strict=True)}
     try:
         restored = _checkpointer().restore(path.absolute() / STATE_DIR, target)
-    except (ValueError, KeyError, OSError, FileNotFoundError) as e:
+    except Exception as e:  # noqa: BLE001 (TensorStore's read errors are plain Exceptions)
         raise TqjaxError(f"cannot restore {path} (truncated or corrupt?): "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     params = jax.tree.unflatten(treedef, [restored[name] for name in target])
