@@ -411,7 +411,8 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
         if not isinstance(info, dict):
             raise TqjaxError(f"{QUANT_FILE}: bad entry for file {name}")
         if size != info.get("size"):
-            raise TqjaxError(f"{f} has {size} bytes, expected {info.get('size')} (truncated?)")
+            raise TqjaxError(f"{f} has {size} bytes, expected {info.get('size')} "
+                             f"(truncated or changed?)")
         if digest != info.get("sha256"):
             raise TqjaxError(f"{f} does not match its sha256 in {QUANT_FILE} (tampered or corrupt)")
 
