@@ -127,8 +127,9 @@ def safetensors_files(path: Path) -> list[Path]:
     if index.is_file():
         weight_map = read_json(index, dict).get("weight_map", {})
         if not isinstance(weight_map, dict) or not all(
-                isinstance(f, str) for f in weight_map.values()):
-            raise TqjaxError(f"{index}: weight_map must map tensor names to file names")
+                isinstance(f, str) and Path(f).name == f for f in weight_map.values()):
+            raise TqjaxError(f"{index}: weight_map must map tensor names to file names in "
+                             f"its folder")
         files = sorted({path / f for f in weight_map.values()})
     else:
         files = sorted(path.glob("*.safetensors"))
