@@ -229,6 +229,13 @@ def test_no_write_past_the_cache_slots(model):
     (dict(stop=["ok", 3]), "stop strings"),
     (dict(system="be brief"), "system message"),  # without chat: it would be ignored
     (dict(n_keep=4), "context_shift"),  # without context_shift: it would be ignored
+    # wrong types were TypeErrors, or taken (found by QA)
+    (dict(context_shift=True, n_keep="a"), "n_keep must be an integer >= -1"),
+    (dict(context_shift=True, n_keep=1.5), "n_keep must be an integer >= -1"),
+    (dict(context_shift=True, n_keep=-2), "n_keep must be an integer >= -1"),
+    (dict(chat=True, system=5), "system must be a string"),
+    (dict(chat="yes"), "chat must be True or False"),
+    (dict(prompt_cache=5), "prompt_cache must be a file path"),
 ])
 def test_options_that_would_do_nothing_or_stop_at_once_are_refused(text_model, kwargs, needle):
     with pytest.raises(TqjaxError, match=needle):

@@ -4,6 +4,7 @@ CI)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -235,6 +236,15 @@ def check_options(stop: Sequence[str] = (), chat: bool = False, system: str | No
         raise TqjaxError(f"stop must be a string or strings, got {stop!r}") from None
     if not all(isinstance(s, str) and s for s in stop):
         raise TqjaxError("stop strings must be non-empty strings (--stop)")
+    for name, value in (("chat", chat), ("context_shift", context_shift)):
+        if not isinstance(value, bool | np.bool_):
+            raise TqjaxError(f"{name} must be True or False, got {value!r}")
+    if system is not None and not isinstance(system, str):
+        raise TqjaxError(f"system must be a string (the system message), got "
+                         f"{type(system).__name__}")
+    if not is_int(n_keep) or n_keep < -1:
+        raise TqjaxError(f"n_keep must be an integer >= -1 (-1: the whole prompt), got "
+                         f"{n_keep!r}")
     if system is not None and not chat:
         raise TqjaxError("a system message goes with the chat template (chat=True, --chat)")
     if n_keep and not context_shift:
@@ -492,6 +502,8 @@ def generate(model: Model, prompt: Prompt | list[str], *,
         return results if batched else results[0]
     if batched:
         raise TqjaxError("a prompt cache file goes with a single prompt")
+    if not isinstance(prompt_cache, str | os.PathLike):
+        raise TqjaxError(f"prompt_cache must be a file path, got {type(prompt_cache).__name__}")
     ids, path, meta = prompts[0], Path(prompt_cache), model.cache_meta(cache)
     if not prompt_cache_ro:  # before any work (a folder, or a file where a folder must be)
         check_writable(path, "prompt cache")
