@@ -222,7 +222,7 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
     try:
         restored = _checkpointer().restore(path.absolute() / STATE_DIR, target)
     except Exception as e:  # noqa: BLE001 (TensorStore's read errors are plain Exceptions)
-        raise TqjaxError(f"cannot restore {path} (truncated or corrupt?): "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        why = (str(e).splitlines() or [type(e).__name__])[0].split(". See full TensorStore")[0]
+        raise TqjaxError(f"cannot restore {path} (truncated or corrupt?): {why}") from None
     params = jax.tree.unflatten(treedef, [restored[name] for name in target])
     return config, params, info
