@@ -355,6 +355,8 @@ class _TextStream:
         """Whether `ids` end in a run of byte pieces, which the decoder reads whole, so that it
         stays open until a token ends it (a token that decodes to nothing, e.g. a skipped
         special one, does not)."""
+        if not self.tokenizer.byte_fallback:  # (byte-level BPE: no such runs)
+            return False
         for tid in reversed(ids):
             if self.tokenizer.is_byte_piece(tid):
                 return True
@@ -443,14 +445,12 @@ def _context(model: Model, ctx_size: int | None) -> int:
     return ctx_size or limit
 
 
-def _encode_item(model: Model, prompt: Prompt, index: int | None, chat: bool,
-                 system: str | None) -> list[int]:
-    """`encode_prompt`, its errors naming the batch's prompt `index` (None: not a batch)."""
+def _encode_batch_item(model: Model, prompt: Prompt, index: int, chat: bool,
+                       system: str | None) -> list[int]:
+    """`encode_prompt` for prompt `index` of a batch, its errors naming it."""
     try:
         return encode_prompt(model, prompt, chat, system)
     except TqjaxError as e:
-        if index is None:
-            raise
         raise TqjaxError(f"prompt {index} of the batch: {e}") from None
 
 
@@ -492,8 +492,8 @@ def generate(model: Model, prompt: Prompt | list[str], *,
         isinstance(p, Sequence) and not isinstance(p, bytes) for p in prompt))
     if batched and on_text is not None:
         raise TqjaxError("on_text streams one prompt's text; a batch returns its results")
-    prompts = [_encode_item(model, p, i if batched else None, chat, system)
-               for i, p in enumerate(prompt if batched else [prompt])]
+    prompts = ([_encode_batch_item(model, p, i, chat, system) for i, p in enumerate(prompt)]
+               if batched else [encode_prompt(model, prompt, chat, system)])
     if prompt_cache is None:
         results, _ = _run(model, prompts, sampling, max_new_tokens=max_new_tokens, stop=stop,
                           ctx=_context(model, ctx_size), cache=cache,

@@ -291,10 +291,9 @@ def generate_tokens(params: Params, config: ModelConfig, prompts: list[list[int]
     and goes on (`context_shift`); None (default): it stops with finish reason "length".
     """
     empty = [i for i, p in enumerate(prompts) if len(p) == 0]
-    if not prompts or (empty and len(prompts) == 1):
-        raise TqjaxError("empty prompt")
-    if empty:
-        raise TqjaxError(f"prompt {empty[0]} of the batch is empty")
+    if not prompts or empty:
+        raise TqjaxError(f"prompt {empty[0]} of the batch is empty" if len(prompts) > 1
+                         else "empty prompt")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise TqjaxError(f"max new tokens must be an integer >= 1, got {max_new_tokens!r}")
     batch = len(prompts)

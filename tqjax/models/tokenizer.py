@@ -117,7 +117,7 @@ class Tokenizer:
             table = _unicode_to_byte()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        if _is_byte_form(piece):
             return bytes([int(piece[3:5], 16)])
         return piece.replace(SPIECE_UNDERLINE, " ").encode("utf-8")
 
@@ -127,11 +127,12 @@ class Tokenizer:
         UTF-8 comes out as one U+FFFD per byte, characters already whole in it included."""
         if self.is_sentencepiece:
             return bool(self.backend.is_byte(tid))
-        if self._byte_level:
-            return False
-        piece = self.backend.id_to_token(tid)
-        return (piece is not None and len(piece) == 6 and piece.startswith("<0x")
-                and piece.endswith(">"))
+        return self.byte_fallback and _is_byte_form(self.backend.id_to_token(tid))
+
+    @property
+    def byte_fallback(self) -> bool:
+        """Whether the vocabulary may spell bytes as <0xNN> pieces (not byte-level BPE)."""
+        return self.is_sentencepiece or not self._byte_level
 
     @functools.cached_property
     def _byte_level(self) -> bool:
@@ -173,6 +174,11 @@ class Tokenizer:
                 eos_token=names.get(self.eos_ids[0], "") if self.eos_ids else "")
         except TemplateError as e:
             raise TqjaxError(f"chat template error: {e}") from None
+
+
+def _is_byte_form(piece: str | None) -> bool:
+    """Whether a vocabulary piece is a byte-fallback piece, "<0xE2>"."""
+    return piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
 
 @functools.cache
