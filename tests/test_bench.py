@@ -182,13 +182,26 @@ def test_sweep_plan_and_skip(tmp_path):
     assert any("--slots 2048" in ln for ln in lines)
     assert any("--peers hf,llamacpp" in ln for ln in lines)
     assert len(names) == len(set(names))
-    saved = tmp_path / names[0]
-    saved.parent.mkdir(parents=True)
-    saved.write_text("{}")
+    # a saved run is skipped only where it was made at this commit, clean, on this CPU
+    from tqjax.commands.bench_sweep import ROOT
+    from tqjax.commands.provenance import git_info, machine_info
+
+    git = git_info(ROOT)
+    here = {"commit": git["commit"], "dirty": False, "machine": {"cpu": machine_info()["cpu"]}}
+    made = [here, here | {"commit": "0" * 40}, here | {"dirty": True},
+            here | {"machine": {"cpu": "another CPU"}}, {}]
+    for name, saved in zip(names, made):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(saved))
+    (tmp_path / names[len(made)]).write_text("not JSON")
     proc = run("bench_sweep.py", "--preset", "context,slots,weights,peers", "--quick",
                "--models", "smollm2-135m-instruct", "--out", tmp_path, "--dry-run")
     states = [ln.split()[0] for ln in proc.stdout.strip().splitlines()]
-    assert states[0] == "saved" and states[1:] == ["todo"] * (len(states) - 1)
+    if git["commit"] is None or git["dirty"] is not False:  # no run counts as this code's
+        assert states == ["todo"] * len(states)
+    else:
+        assert states[0] == "saved" and states[1:] == ["todo"] * (len(states) - 1)
+        assert "1 already saved" in proc.stderr
 
 
 def test_sweep_bad_flags_and_overrides(tmp_path):

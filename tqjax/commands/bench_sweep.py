@@ -21,7 +21,8 @@ Presets (per model):
 `--quick` shrinks every preset to a smoke test (1k context at most, 8 decode tokens, 1 repeat)
 and writes to results/current/bench-quick/ instead of results/current/bench/.
 
-A run whose JSON is already in the output folder is skipped unless --force; a failed run leaves
+A run whose JSON is already in the output folder, made at this commit from a clean checkout on
+this CPU, is skipped unless --force (one made elsewhere is run again); a failed run leaves
 `<name>.failed.json` (its error) and the sweep goes on. The copy bandwidth is measured once per
 sweep and given to every run (`--bandwidth` reuses a figure).
 """
@@ -183,6 +184,19 @@ def plan(presets: list[str], models: list[str], quick: bool) -> tuple[list[Run],
     return list(dict.fromkeys(runs)), notes  # a run shared by two presets once
 
 
+def is_current(path: Path, here: dict) -> bool:
+    """Whether the saved run at `path` was made where this sweep runs: the same commit, a clean
+    checkout, the same CPU (`here`: {"commit", "cpu"}; commit None: this checkout has changes). A run from another commit or machine is
+    not this code's figure on this machine, so the sweep makes it again."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(saved, dict) and here["commit"] is not None
+            and saved.get("commit") == here["commit"] and saved.get("dirty") is False
+            and (saved.get("machine") or {}).get("cpu") == here["cpu"])
+
+
 def ensure_checkpoint(run: Run) -> None:
     """Make the saved checkpoint a `checkpoint` run needs, once (scripts/quantize.py)."""
     path = Path(run.model)
@@ -250,7 +264,8 @@ def run(argv: list[str] | None = None) -> int:
                    help="output folder (default results/current/bench, or bench-quick with "
                         "--quick); one subfolder per model")
     p.add_argument("--quick", action="store_true", help="a smoke test: small sizes")
-    p.add_argument("--force", action="store_true", help="re-run runs already saved")
+    p.add_argument("--force", action="store_true",
+                   help="re-run runs already saved at this commit on this CPU")
     p.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
     p.add_argument("--bandwidth", type=positive_float, default=None, metavar="GBPS",
                    help="copy bandwidth (GB/s) to use instead of measuring it")
@@ -283,9 +298,15 @@ def run(argv: list[str] | None = None) -> int:
     runs = list(dict.fromkeys(dataclasses.replace(r, **overrides) for r in runs))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    from tqjax.commands.provenance import git_info, machine_info
+
+    git = git_info(ROOT)  # a checkout with changes has no saved runs of its own
+    here = {"commit": None if git["dirty"] is not False else git["commit"],
+            "cpu": machine_info()["cpu"]}
     todo = [r for r in runs
-            if args.force or not (out / r.model_name / f"{r.name}.json").exists()]
-    print(f"{len(runs)} runs, {len(runs) - len(todo)} already saved in {out}", file=sys.stderr)
+            if args.force or not is_current(out / r.model_name / f"{r.name}.json", here)]
+    print(f"{len(runs)} runs, {len(runs) - len(todo)} already saved in {out} at this commit "
+          "on this CPU", file=sys.stderr)
     if args.dry_run:
         for r in runs:
             state = "todo" if r in todo else "saved"
