@@ -190,7 +190,7 @@ def test_sweep_plan_and_skip(tmp_path):
     here = {"commit": git["commit"], "dirty": False, "machine": {"cpu": machine_info()["cpu"]}}
     made = [here, here | {"commit": "0" * 40}, here | {"dirty": True},
             here | {"machine": {"cpu": "another CPU"}}, {}]
-    for name, saved in zip(names, made):
+    for name, saved in zip(names, made, strict=False):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(json.dumps(saved))
     (tmp_path / names[len(made)]).write_text("not JSON")

@@ -205,6 +205,11 @@ def test_logprobs_match_the_model(model, live):
         assert entry.logprob == pytest.approx(logp[gen_ids[i]], abs=1e-4)
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
             np.sort(logp)[::-1][:3], abs=1e-4)
+    for extra in ({}, {"logprobs": False}):  # top_logprobs alone: 400, as OpenAI and vLLM
+        r = post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "xy"}], "max_tokens": 2,
+            "top_logprobs": 3, **extra})
+        assert status_and_error(r) == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_stop_strings_cut_the_text(model, live):
@@ -516,6 +521,73 @@ def test_disconnect_frees_the_slot(live, monkeypatch, stream):
         time.sleep(0.02)
     assert live.metric("tqjax_kv_slots_in_use") == 0
     assert live.metric("tqjax_generated_tokens") - before < (CTX - 8) / 2  # stopped early
+
+
+def test_a_closed_client_is_dropped_quietly_and_never_admitted_from_the_queue(model,
+                                                                               monkeypatch):
+    """One slot, held by a request whose prefill waits on an event: a streamed and a
+    non-streamed request queued behind it whose clients go away are dropped without ever
+    taking the slot (they were admitted, prefilled and run for a few tokens), and a
+    non-streamed request whose client goes away while it runs leaves no traceback in the log
+    (it was an AttributeError on its missing end)."""
+    import logging
+
+    logged = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record)
+
+    handler = Keep(logging.ERROR)
+    srv, release = Live(model, slots=1), threading.Event()
+    logging.getLogger("uvicorn.error").addHandler(handler)  # (after uvicorn's dictConfig)
+    try:
+        url = srv.url + "/v1/completions"
+        real, holding = srv.engine._prefill, model.tokenizer.encode("HOLD")
+
+        def held(row):
+            if srv.engine.slots[row].req.prompt[:4] == holding:
+                release.wait(60)
+            return real(row)
+
+        monkeypatch.setattr(srv.engine, "_prefill", held)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(post, url, json={"prompt": "HOLD on", "max_tokens": 2,
+                                                 "temperature": 0})
+            while srv.engine.counts()["running"] == 0:
+                time.sleep(0.01)
+            for stream in (True, False):
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(url, timeout=1.5, json={"prompt": "gone", "max_tokens": 4,
+                                                       "stream": stream})
+            assert srv.engine.counts()["waiting"] == 2
+            time.sleep(1.5)  # the server polls a waiting client every second
+            release.set()
+            assert first.result().status_code == 200
+        assert srv.metric("tqjax_requests") == 1  # only the held request took the slot
+        real_decode = srv.engine._decode
+
+        def slow():
+            time.sleep(0.02)
+            real_decode()
+
+        monkeypatch.setattr(srv.engine, "_decode", slow)
+        try:  # runs, then its client goes
+            r = httpx.post(url, timeout=1.0, json={"prompt": "go", "max_tokens": CTX - 8,
+                                                   "temperature": 0})
+            pytest.fail(f"answered {r.status_code} within 1 s: {r.text[:200]}")
+        except httpx.ReadTimeout:
+            pass
+        t0 = time.time()
+        while srv.metric("tqjax_kv_slots_in_use") > 0 and time.time() < t0 + 30:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert srv.metric("tqjax_requests") == 2
+        assert not logged, [r.getMessage() for r in logged]
+    finally:
+        release.set()
+        srv.close()
+        logging.getLogger("uvicorn.error").removeHandler(handler)
 
 
 def stream_in_thread(url, prompt, n):

@@ -186,8 +186,9 @@ def plan(presets: list[str], models: list[str], quick: bool) -> tuple[list[Run],
 
 def is_current(path: Path, here: dict) -> bool:
     """Whether the saved run at `path` was made where this sweep runs: the same commit, a clean
-    checkout, the same CPU (`here`: {"commit", "cpu"}; commit None: this checkout has changes). A run from another commit or machine is
-    not this code's figure on this machine, so the sweep makes it again."""
+    checkout, the same CPU (`here`: {"commit", "cpu"}; commit None: this checkout has
+    changes). A run from another commit or machine is not this code's figure on this machine,
+    so the sweep makes it again."""
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -321,8 +321,11 @@ class Server:
                       ) -> AsyncIterator[tuple[str, list[Token], Finished | None]]:
         """Run one request: yields (new text, new tokens, None) as tokens arrive and finally
         (last text, tokens, Finished) with finish_reason "stop"/"length"; ApiError 500 on an
-        internal failure. A client that goes away cancels the request: `watch` polls for it
-        (a non-streamed response); a stream's task is cancelled by the server instead."""
+        internal failure. A client that goes away cancels the request: it is polled for until
+        the first event (a stream's response has not started: a queued or prefilling request
+        is dropped too) and throughout where `watch` (a non-streamed response); a started
+        stream's task is cancelled by the server instead. The events then end without a
+        Finished."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         req = EngineRequest(ids, max_tokens, sampling,
@@ -339,10 +342,11 @@ class Server:
         text_ids: list[int] = []
         pending: list[Token] = []
         count = 0
-        checked = time.monotonic()
+        checked, started = time.monotonic(), False
         try:
             while True:
-                if watch and time.monotonic() - checked >= 1.0:  # (tokens may never pause)
+                if (watch or not started) and time.monotonic() - checked >= 1.0:
+                    # (polled every second: tokens may never pause)
                     checked = time.monotonic()
                     if await http.is_disconnected():
                         return
@@ -369,6 +373,7 @@ class Server:
                     return
                 piece = stream.piece(text_ids, False)
                 if piece:
+                    started = True
                     yield piece, pending, None
                     pending = []
         finally:
@@ -478,6 +483,8 @@ class Server:
         sampling, stop = _sampling(body), _stops(body)
         max_tokens = self._limit(body.max_completion_tokens or body.max_tokens,
                                  self.engine.ctx_size)
+        if body.top_logprobs is not None and not body.logprobs:  # (as OpenAI and vLLM)
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         nlp = (body.top_logprobs or 0) if body.logprobs else None
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         events = self._events(http, ids, max_tokens, sampling, stop, not body.stream,
@@ -592,12 +599,15 @@ async def _first(events: AsyncIterator) -> tuple | None:
 
 
 async def _collect(events: AsyncIterator) -> tuple[str, list[Token], Finished]:
-    """A non-streamed response's whole text, tokens and end, from its events."""
+    """A non-streamed response's whole text, tokens and end, from its events; ApiError 499
+    (nginx's "client closed request": nobody reads it) where the client went away first."""
     pieces, toks, fin = [], [], None
     async for piece, new, f in events:
         pieces.append(piece)
         toks += new
         fin = f
+    if fin is None:
+        raise ApiError(499, "the client closed the request")
     return "".join(pieces), toks, fin
 
 
