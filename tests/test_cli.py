@@ -215,13 +215,18 @@ def test_options_refused_before_the_model_is_read(script, args, needle, tmp_path
 
 def test_perplexity_text_must_be_utf8(tmp_path):
     """A Latin-1 or UTF-16 file was read with replacement characters and scored (a wrong
-    perplexity, exit 0); a directory was "no such text file"."""
-    for name, data in (("latin1.txt", "café au lait ".encode("latin-1") * 200),
-                       ("utf16.txt", "café au lait ".encode("utf-16") * 200)):
+    perplexity, exit 0); a file of NUL bytes (valid UTF-8) was scored too; a directory was
+    "no such text file"."""
+    for name, data, needle in (
+            ("latin1.txt", "café au lait ".encode("latin-1") * 200, "is not utf-8 text ("),
+            ("utf16.txt", "café au lait ".encode("utf-16") * 200, "is not utf-8 text ("),
+            ("zeros.bin", bytes(3000), "is not a text file (a nul character at character 0)"),
+            ("late.txt", b"text " * 100 + b"\0",
+             "is not a text file (a nul character at character 500)")):
         (tmp_path / name).write_bytes(data)
         proc = run("perplexity.py", "--model", "/nonexistent", "--text-file",
                    str(tmp_path / name))
-        assert_user_error(proc, f"{name} is not utf-8 text (byte")
+        assert_user_error(proc, f"{name} {needle}")
     assert_user_error(run("perplexity.py", "--model", "/nonexistent", "--text-file",
                           str(tmp_path)), "is not a file")
 

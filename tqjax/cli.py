@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from tqjax.atomic import check_writable as check_writable  # (for the commands)
 from tqjax.dtypes import DTYPES
@@ -139,6 +140,26 @@ def cache_spec(args: argparse.Namespace) -> object:
     spec = CacheSpec(k, v, **options)
     check_spec(spec)
     return spec
+
+
+def read_text_file(path: Path, chars: int | None = None) -> tuple[str, bool]:
+    """Up to `chars` characters (None: all) of the UTF-8 text file at `path`, and whether that
+    is the whole file. TqjaxError, one line, for a missing file, a folder, bytes that are not
+    UTF-8 or a NUL character (a binary file: scoring or prompting with it is never meant)."""
+    if not path.is_file():
+        raise TqjaxError(f"{path} is not a file" if path.exists() else f"no such text file: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(-1 if chars is None else chars)
+            whole = chars is None or not f.read(1)
+    except UnicodeDecodeError as e:  # replacement characters would be scored as text
+        raise TqjaxError(f"{path} is not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise TqjaxError(f"cannot read {path}: {e.strerror or e}") from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise TqjaxError(f"{path} is not a text file (a NUL character at character {nul})")
+    return text, whole
 
 
 def enable_compilation_cache() -> None:

@@ -7,7 +7,9 @@ unlike it, every predicted position of a window is scored, not only its second h
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqjax.cli import (
     ArgumentParser,
@@ -15,8 +17,32 @@ from tqjax.cli import (
     cache_spec,
     model_mesh,
     print_json,
+    read_text_file,
     run_main,
 )
+
+if TYPE_CHECKING:
+    from tqjax.models.tokenizer import Tokenizer
+
+HEAD_MARGIN = 64  # ids encoded past --max-tokens and dropped: those near a text cut
+
+
+def first_tokens(tokenizer: Tokenizer, read: Callable[[int | None], tuple[str, bool]],
+                 n: int) -> list[int]:
+    """The first n ids (0: all) of the text `read` gives (read(chars) -> up to that many
+    characters, None: all, and whether that is the whole text), without reading or encoding
+    more of a long text than they need: a prefix is encoded, 4x longer each time, until it
+    gives n + HEAD_MARGIN ids; the margin, near the cut where a word may be split, is
+    dropped. No BOS."""
+    if n <= 0:
+        return tokenizer.encode(read(None)[0], add_bos=False)
+    chars = max(1 << 16, 8 * (n + HEAD_MARGIN))
+    while True:
+        text, whole = read(chars)
+        ids = tokenizer.encode(text, add_bos=False)
+        if whole or len(ids) >= n + HEAD_MARGIN:
+            return ids[:n]
+        chars *= 4
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -58,17 +84,16 @@ def run(argv: list[str] | None = None) -> int:
     if args.ctx_size < 2:
         raise TqjaxError(f"--ctx-size must be >= 2, got {args.ctx_size}")
     if args.text_file is not None:
-        if not args.text_file.is_file():
-            raise TqjaxError(f"{args.text_file} is not a file" if args.text_file.exists()
-                             else f"no such text file: {args.text_file}")
-        try:
-            text = args.text_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:  # scoring replacement characters would be a wrong PPL
-            raise TqjaxError(f"{args.text_file} is not UTF-8 text (byte {e.start}: "
-                             f"{e.reason})") from None
+        def read(chars: int | None) -> tuple[str, bool]:
+            return read_text_file(args.text_file, chars)
+
+        read(1 << 16)  # (a missing or binary file is refused before the model loads)
         source = str(args.text_file)
     else:
-        text, source = corpus_text(args.corpus), args.corpus
+        corpus, source = corpus_text(args.corpus), args.corpus
+
+        def read(chars: int | None) -> tuple[str, bool]:
+            return (corpus, True) if chars is None else (corpus[:chars], chars >= len(corpus))
     model = tqjax.load(args.model, dtype=args.dtype, weights=args.weights, bpw=args.bpw,
                        quantize_embeddings=args.quantize_embeddings,
                        progress=not args.json, mesh=mesh)
@@ -82,9 +107,7 @@ def run(argv: list[str] | None = None) -> int:
                              f"({reference_model.config.vocab_size} vs "
                              f"{model.config.vocab_size} tokens)")
     compare = args.compare or reference_model is not None
-    ids = model.tokenizer.encode(text, add_bos=False)
-    if args.max_tokens:
-        ids = ids[: args.max_tokens]
+    ids = first_tokens(model.tokenizer, read, args.max_tokens)
     t0 = time.perf_counter()
     args.backend = check_backend(args.backend)  # "auto" resolved, now that JAX runs
     with use_backend(args.backend):
