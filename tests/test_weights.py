@@ -953,6 +953,11 @@ def test_quantize_records_the_calibration_sha256(tmp_path):
     shipped = resources.files("tqjax.data").joinpath("calibration.txt").read_bytes()
     assert method["calibration_sha256"] == hashlib.sha256(shipped).hexdigest()
     assert (method["calibration"], method["calibration_tokens"]) == ("builtin", 128)
+    # the defaults ask for more than the ~530-token built-in text: the error says what to ask
+    with pytest.raises(TqjaxError, match=r"need \d+: ask for fewer or shorter windows "
+                                         r"\(--calibration-windows, --calibration-length\)"):
+        run(["--model", str(model), "--out", str(tmp_path / "q2"), "--weights", "int8",
+             "--calibration", "builtin", "--calibration-windows", "32"])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from tqjax.cli import ArgumentParser, check_writable, print_json, run_main
 
 CALIBRATION_HELP = ("calibration text for GPTQ and mixed-precision sensitivities: 'default' "
                     "(shipped in tqjax/data: built-in text, Milton, stdlib modules outside the "
-                    "evaluation set), 'builtin' (tqjax/data/calibration.txt only), 'none' "
+                    "evaluation set), 'builtin' (tqjax/data/calibration.txt only: ~530 tokens, "
+                    "for quick runs with fewer, shorter --calibration-windows), 'none' "
                     "(data-free), or corpus specs joined by '+' (e.g. "
                     "'shakespeare:hamlet+milton:comus'); never evaluate on it")
 

@@ -65,6 +65,7 @@ def calibration_windows(tokenizer: Tokenizer, text: str, count: int = 8,
     n = len(ids) // length
     if n < count:
         raise TqjaxError(f"calibration text has {len(ids)} tokens; {count} windows of {length} "
-                         f"need {count * length}")
+                         f"need {count * length}: ask for fewer or shorter windows "
+                         f"(--calibration-windows, --calibration-length) or give a longer text")
     starts = np.linspace(0, n - 1, count).astype(int) * length
     return np.stack([ids[s:s + length] for s in starts])
