@@ -229,3 +229,28 @@ def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
     os.utime(stale, (old, old))
     atomic.write_text(tmp_path / "f", "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", "f", other.name])
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_an_output_that_is_a_link_is_written_through_it(tmp_path, monkeypatch, exchange):
+    """A link to a folder (or file) elsewhere: the output goes where it points and the link
+    stays (the link itself was replaced: the output landed beside it and the link, renamed
+    to a hidden name, was never removed)."""
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    elsewhere = tmp_path / "disk" / "ckpt"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "old.txt").write_text("old")
+    link = tmp_path / "out" / "ckpt"
+    link.parent.mkdir()
+    link.symlink_to(elsewhere)
+    assert atomic.check_writable(link, whole=True) == link
+    atomic.replace_dir(link, lambda d: (d / "new.txt").write_text("new"))
+    assert link.is_symlink() and os.readlink(link) == str(elsewhere)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in link.parent.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in elsewhere.parent.iterdir()) == ["ckpt"]
+    file_link, target = tmp_path / "out" / "run.json", tmp_path / "disk" / "run.json"
+    file_link.symlink_to(target)  # dangling until written
+    atomic.write_json(file_link, {"a": 1})
+    assert file_link.is_symlink() and target.read_text().startswith("{")

@@ -35,11 +35,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _followed(dest: str | Path) -> Path:
+    """`dest`, or where it links to when it is a symbolic link: an output path that is a link
+    (e.g. to a folder on a larger disk) is written through, the link kept (replacing the link
+    itself put the output beside it and left the link, renamed, as a hidden leftover)."""
+    dest = Path(dest)
+    return Path(os.path.realpath(dest)) if dest.is_symlink() else dest
+
+
 @contextmanager
 def atomic_path(dest: str | Path) -> Iterator[Path]:
     """Yield a temp path next to `dest`; on clean exit it is fsynced and renamed onto `dest`,
-    on an exception it is removed and `dest` is left untouched."""
-    dest = Path(dest)
+    on an exception it is removed and `dest` is left untouched. A `dest` that is a symbolic
+    link is written through (`_followed`)."""
+    dest = _followed(dest)
     with _about(dest):
         _make_parents(dest)
         _sweep_stale(dest)
@@ -216,9 +225,9 @@ def replace_dir(dest: str | Path, build: Callable[[Path], None]) -> None:
     the swap is one atomic exchange where the OS supports it; elsewhere `dest` is renamed to
     `.<name>.old` first, and a crash between the two renames is undone by `recover_dir` (which
     this function, and loaders, call first). The previous folder is deleted only once the new
-    one is in place.
+    one is in place. A `dest` that is a symbolic link is written through (`_followed`).
     """
-    dest = Path(dest)
+    dest = _followed(dest)
     with _about(dest):
         _make_parents(dest)
         recover_dir(dest)
@@ -280,11 +289,12 @@ def check_writable(path: Path, what: str = "--out", folder: bool = False,
     otherwise."""
     path = Path(path)
     try:
-        if not (folder or whole) and path.is_dir():
+        real = _followed(path)  # (checked where it will be written)
+        if not (folder or whole) and real.is_dir():
             raise IsADirectoryError(21, "is a directory", str(path))
         if folder:
-            path.mkdir(parents=True, exist_ok=True)
-        target = path if folder else path.absolute().parent
+            real.mkdir(parents=True, exist_ok=True)
+        target = real if folder else real.absolute().parent
         while not target.exists() and target != target.parent:
             target = target.parent
         with tempfile.TemporaryFile(dir=target):
