@@ -332,6 +332,18 @@ def test_faults_give_their_status_and_the_server_keeps_serving(model, live, monk
     assert out.choices[0].text == offline(model, "after", 4).text
 
 
+def hold_prefills(srv, model, monkeypatch, release):
+    """Make the prefill of a prompt that starts with "HOLD" wait for `release` (an Event)."""
+    real, holding = srv.engine._prefill, model.tokenizer.encode("HOLD")
+
+    def held(row):
+        if srv.engine.slots[row].req.prompt[:4] == holding:
+            release.wait(60)
+        return real(row)
+
+    monkeypatch.setattr(srv.engine, "_prefill", held)
+
+
 @pytest.mark.parametrize("max_queue", [0, 1])
 def test_max_queue_counts_requests_beyond_the_free_slots(model, monkeypatch, max_queue):
     """--max-queue N: N requests may wait for a busy slot; a free slot always takes one (0 is
@@ -341,14 +353,7 @@ def test_max_queue_counts_requests_beyond_the_free_slots(model, monkeypatch, max
         url, ok = srv.url + "/v1/completions", {"prompt": "ab", "max_tokens": 2,
                                                 "temperature": 0}
         assert post(url, json=ok).status_code == 200  # idle: the free slot takes it
-        real, holding = srv.engine._prefill, model.tokenizer.encode("HOLD")
-
-        def held(row):
-            if srv.engine.slots[row].req.prompt[:4] == holding:
-                release.wait(60)
-            return real(row)
-
-        monkeypatch.setattr(srv.engine, "_prefill", held)
+        hold_prefills(srv, model, monkeypatch, release)
         with concurrent.futures.ThreadPoolExecutor(1 + max_queue) as pool:
             first = pool.submit(post, url, json={**ok, "prompt": "HOLD on"})
             while srv.engine.counts()["running"] == 0:
@@ -543,14 +548,7 @@ def test_a_closed_client_is_dropped_quietly_and_never_admitted_from_the_queue(mo
     logging.getLogger("uvicorn.error").addHandler(handler)  # (after uvicorn's dictConfig)
     try:
         url = srv.url + "/v1/completions"
-        real, holding = srv.engine._prefill, model.tokenizer.encode("HOLD")
-
-        def held(row):
-            if srv.engine.slots[row].req.prompt[:4] == holding:
-                release.wait(60)
-            return real(row)
-
-        monkeypatch.setattr(srv.engine, "_prefill", held)
+        hold_prefills(srv, model, monkeypatch, release)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(post, url, json={"prompt": "HOLD on", "max_tokens": 2,
                                                  "temperature": 0})
