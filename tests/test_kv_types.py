@@ -9,7 +9,14 @@ import pytest
 from tqjax.cli import cache_spec
 from tqjax.commands.generate import parse_args
 from tqjax.errors import TqjaxError
-from tqjax.kv.cache import NAIVE, STORE_FACTORIES, CacheSpec, check_spec, parse_kv
+from tqjax.kv.cache import (
+    NAIVE,
+    STORE_FACTORIES,
+    CacheSpec,
+    as_cache_spec,
+    check_spec,
+    parse_kv,
+)
 
 from .conftest import ROOT
 
@@ -23,6 +30,11 @@ from .conftest import ROOT
 ])
 def test_parse_kv(text, expected):
     assert parse_kv(text) == expected
+    # a CacheSpec of the key type alone reads the same ("turbo4" alone was turbo4 keys and
+    # f32 values, the README's Session example among its users)
+    assert CacheSpec(*expected) == as_cache_spec(text)
+    if expected[0] == expected[1]:
+        assert CacheSpec(expected[0]) == CacheSpec(k=expected[0]) == as_cache_spec(text)
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -536,7 +536,7 @@ class Session:
     many prompt tokens were reused. `save(path)` / `load(path)` write and read the cache as a
     prompt-cache file (`tqjax.decode.prompt_cache`; llama-cpp-python's save_state/load_state).
 
-        s = tqjax.Session(model, cache=tqjax.CacheSpec("turbo4"))
+        s = tqjax.Session(model, cache="turbo4")
         a = s.generate(system_prompt + question_1)   # prefills everything
         b = s.generate(system_prompt + question_2)   # prefills only question_2
 

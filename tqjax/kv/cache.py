@@ -60,7 +60,8 @@ Window = tuple[jax.Array, jax.Array, jax.Array]  # exact recent keys, values f32
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Cache formats for keys and values (e.g. "f32", "q8", "turbo3").
+    """Cache formats for keys and values (e.g. "f32", "q8", "turbo3"); `v` defaults to `k`, so
+    CacheSpec("turbo4") is turbo4 keys and values, as the string "turbo4" is (`parse_kv`).
 
     center_keys: centre turbo keys on calibrated pre-RoPE means (the robust default).
     center_values: centre turbo values on calibrated means (exact: softmax weights sum to 1).
@@ -77,7 +78,7 @@ class CacheSpec:
     """
 
     k: str = "f32"
-    v: str = "f32"
+    v: str = None  # type: ignore[assignment]  # None -> k (__post_init__)
     center_keys: bool = True
     center_values: bool = True
     balance_keys: bool = True
@@ -87,6 +88,10 @@ class CacheSpec:
     recent_tokens: int = 32
     seed: int = 0
     baseline_aids: bool = False
+
+    def __post_init__(self) -> None:
+        if self.v is None:
+            object.__setattr__(self, "v", self.k)
 
     def aided(self, name: str) -> bool:
         """Whether a store of type `name` gets the aids (centring, balancing, sinks, window)."""
