@@ -452,3 +452,19 @@ def test_the_calibration_hint_works(model):
     flags = dict.fromkeys(flags, False)
     out = tqjax.logits(model, [1, 2, 3], cache=tqjax.CacheSpec("turbo4", "turbo4", **flags))
     assert out.shape == (3, model.config.vocab_size) and np.isfinite(out).all()
+
+
+def test_a_cache_is_made_outside_a_traced_function(model):
+    """new_cache makes host constants from the params: inside jax.jit it was a raw
+    TracerArrayConversionError; made outside and passed in, a jitted forward runs."""
+    from tqjax.kv.cache import CacheSpec
+    from tqjax.models.transformer import forward
+
+    cfg = model.config
+    with pytest.raises(TqjaxError, match="outside jax.jit / jax.grad"):
+        jax.jit(lambda p: gen.new_cache(p, cfg, CacheSpec(), 1, 16))(model.params)
+    cache = gen.new_cache(model.params, cfg, CacheSpec(), 1, 16)
+    toks = jnp.asarray([[1, 2, 3]], jnp.int32)
+    run = jax.jit(lambda p, c: forward(p, cfg, toks, jnp.zeros((1,), jnp.int32), c)[0])
+    np.testing.assert_allclose(np.asarray(run(model.params, cache))[0, -1],
+                               tqjax.logits(model, [1, 2, 3])[-1], rtol=1e-5, atol=1e-5)

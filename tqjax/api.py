@@ -465,8 +465,10 @@ def generate(model: Model, prompt: Prompt | list[str], *,
     """Generate a continuation; a list of prompts (strings, conversations or token id lists)
     is run as one batch (one result each).
 
-    Greedy when temperature is 0. `on_text` receives streamed text pieces (a single prompt
-    only: with a batch it is a TqjaxError).
+    Greedy when temperature is 0; otherwise `seed` fixes the draws: a batch's first row
+    draws as that prompt alone does, row b from the seed and its index b (so a prompt's
+    sampled text depends on its place in the batch). `on_text` receives streamed text pieces
+    (a single prompt only: with a batch it is a TqjaxError).
     `stop`: strings that end the text (a lone string is one; an empty one is a TqjaxError).
     `chat` applies the chat template, with `system` as its system message (a TqjaxError
     without `chat`); a list of messages (``{"role": "user", "content": "..."}``, roles

@@ -43,8 +43,14 @@ def padded_length(n: int, multiple: int = PAD_MULTIPLE) -> int:
 def new_cache(params: Params, config: ModelConfig, spec: CacheSpec, batch: int, slots: int,
               calibration: Calibration | None = None) -> KVCache:
     """An empty cache; `calibration` (from `calibrate.calibrate`) for centred turbo stores.
-    The cache of a sharded model is sharded on its mesh (`tqjax.sharding.cache_shardings`)."""
+    The cache of a sharded model is sharded on its mesh (`tqjax.sharding.cache_shardings`).
+    Its constants are made on the host from the params: call it outside jax.jit / jax.grad and
+    pass the cache in (traced params are a TqjaxError)."""
     from tqjax.sharding import mesh_of, shard_cache
+
+    if isinstance(params.rope_inv_freq, jax.core.Tracer):
+        raise TqjaxError("new_cache makes the cache's constants on the host: call it outside "
+                         "jax.jit / jax.grad and pass the cache in as an argument")
 
     cache = make_cache(spec, batch=batch, slots=slots, num_layers=config.num_layers,
                        kv_heads=config.num_kv_heads, head_dim=config.head_dim,
