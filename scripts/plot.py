@@ -258,6 +258,8 @@ def main() -> int:
         raise TqjaxError(f"no such weights JSON: {missing[0]}")
     out = check_writable(Path(args.out), folder=True)
     runs = load_bench(bench)
+    if not runs and not files:
+        raise TqjaxError(f"nothing to draw: no bench JSONs under {bench} and no --weights-json")
     if not runs:
         print(f"note: no bench JSONs under {bench}: only the ΔPPL figure is drawn",
               file=sys.stderr)

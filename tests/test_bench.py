@@ -248,6 +248,9 @@ def test_plot(bench_json, tmp_path):
     for name in names:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_user_error(run("plot.py", "--bench", tmp_path / "nowhere"), "no bench folder")
+    (tmp_path / "empty").mkdir()  # (it drew nothing and exited 0)
+    assert_user_error(run("plot.py", "--bench", tmp_path / "empty", "--weights-json",
+                          "--out", tmp_path / "png"), "nothing to draw")
     # a truncated or foreign JSON is one line naming the file (it was a traceback)
     weights.write_text('{"rows": 5')
     assert_user_error(run("plot.py", "--bench", tmp_path / "bench", "--weights-json", weights,
