@@ -102,3 +102,15 @@ def test_help_lists_every_cache_type(capsys):
 def test_cache_spec_fields_are_checked(fields, needle):
     with pytest.raises(TqjaxError, match=needle):
         check_spec(CacheSpec("turbo4", **fields))
+
+
+def test_a_turbo_type_that_cannot_pack_the_head_dim_says_so():
+    """head_dim 8 (qwen2_gqa7) with turbo2.5 / 3.5 / 4.5: the packing's own words ("4 codes
+    of 3 bits do not fill whole bytes") named neither the cache type nor the head dim."""
+    from tqjax.kv.cache import StoreShape
+
+    for name in ("turbo2.5", "turbo3.5", "turbo4.5"):
+        with pytest.raises(TqjaxError, match=rf"{name} cache cannot pack a head dim of 8 "):
+            STORE_FACTORIES[name](StoreShape(batch=1, kv_heads=1, slots=4, head_dim=8,
+                                             layer=0))
+        STORE_FACTORIES[name](StoreShape(batch=1, kv_heads=1, slots=4, head_dim=16, layer=0))
