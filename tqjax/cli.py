@@ -85,7 +85,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache format for values (same types)")
     p.add_argument("--kv", nargs="?", const=DEFAULT_KV_PRESET, default=None, metavar="K[/V]",
                    help=f"KV cache shorthand: keys' and values' types (e.g. turbo4/turbo3, "
-                        f"q4_0h); alone: the default preset ({DEFAULT_KV_PRESET})")
+                        f"q4_0h); alone: the default preset ({DEFAULT_KV_PRESET}); "
+                        f"--cache-type-k / --cache-type-v, where given, replace its parts")
     # tqjax.pallas.backend.CHOICES, spelled out so that parsing does not import JAX
     p.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"],
                    help="hot-path implementation: plain XLA or Pallas kernels (interpret mode "
