@@ -209,16 +209,15 @@ def _turbo_factory(bits: int, half: bool, prod: bool = False) -> StoreFactory:
     def make(s: StoreShape) -> TurboStore:
         seed = s.seed * 7919 + s.layer
         lead = (s.batch, s.kv_heads, s.slots)
+        if prod:  # (bits-1)-bit MSE code + 1 QJL sign bit per channel
+            pq = make_prod_quantizer(s.head_dim, bits, seed=seed)
+            q, extra = pq.mse, dict(qjl=pq.qjl,
+                                    qjl_signs=jnp.zeros((*lead, s.head_dim // 8), jnp.uint8),
+                                    qjl_norm=jnp.zeros(lead, SCALE_DTYPE))
+        else:
+            q = make_split_quantizer(s.head_dim, bits, s.head_dim // 2 if half else 0, seed=seed)
+            extra = {}
         try:
-            if prod:  # (bits-1)-bit MSE code + 1 QJL sign bit per channel
-                pq = make_prod_quantizer(s.head_dim, bits, seed=seed)
-                q, extra = pq.mse, dict(qjl=pq.qjl,
-                                        qjl_signs=jnp.zeros((*lead, s.head_dim // 8), jnp.uint8),
-                                        qjl_norm=jnp.zeros(lead, SCALE_DTYPE))
-            else:
-                q = make_split_quantizer(s.head_dim, bits, s.head_dim // 2 if half else 0,
-                                         seed=seed)
-                extra = {}
             nbytes = pack_codes(q, jnp.zeros((1, s.head_dim), jnp.uint8)).shape[-1]
         except TqjaxError as e:  # (the packing's own words name neither the type nor the dim)
             raise TqjaxError(f"{name} cache cannot pack a head dim of {s.head_dim} into whole "
