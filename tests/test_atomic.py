@@ -144,7 +144,12 @@ def test_files_are_readable_by_others(tmp_path):
 def test_sigterm_removes_the_half_built_folder(tmp_path):
     """A CLI stopped with SIGTERM (kill, a job scheduler) exits 143 through Python's unwinding,
     so `replace_dir` removes its temp folder and the previous output stays as it was (the
-    default action killed the process and left `.out.XXXX` behind: 160 MB per quantize)."""
+    default action killed the process and left `.out.XXXX` behind: 160 MB per quantize).
+
+    The child's work is short sleeps, as real work returns to Python often: a signal that
+    lands after Python's last check but before a long sleep begins runs its handler only when
+    that sleep ends (CPython checks after the syscall, not before), which made a single
+    120 s sleep fail the 60 s wait once in CI."""
     dest = tmp_path / "out"
     dest.mkdir()
     (dest / "old").write_text("previous")
@@ -153,7 +158,8 @@ def test_sigterm_removes_the_half_built_folder(tmp_path):
               "from tqjax.cli import run_main\n"
               "def build(tmp):\n"
               "    (tmp / 'part').write_text('half')\n"
-              "    time.sleep(120)\n"
+              "    for _ in range(1200):\n"
+              "        time.sleep(0.1)\n"
               f"run_main(lambda: replace_dir({str(dest)!r}, build))\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
