@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -694,7 +695,6 @@ def test_shipped_calibration_is_its_sources():
     modules (checked where the interpreter is the 3.11 the file was cut from)."""
     import sys
     import sysconfig
-    from pathlib import Path
 
     from tqjax.data import calibration_part
     from tqjax.fetch import corpus_text
@@ -807,7 +807,7 @@ def test_more_damaged_checkpoints_are_clear_errors(saved, tmp_path, damage, mess
     (lambda d: _edit_json(d / "quantization.json",
                           lambda m: m["tensors"].pop("layers.1.wo")), "missing tensor layers.1.wo"),
     (lambda d: _edit_json(d / "quantization.json", lambda m: m["files"].update(
-        {"../x": {"size": 1, "sha256": "0"}})), "missing"),
+        {"../x": {"size": 1, "sha256": "0"}})), r"bad entry for file \.\./x$"),
     (lambda d: _edit_json(d / "quantization.json",
                           lambda m: m.update(architecture="mistral")), "unknown architecture"),
     (lambda d: _edit_json(d / "quantization.json",
@@ -924,12 +924,54 @@ def test_a_half_precision_orbax_checkpoint_with_its_own_head_quantizes_and_saves
     biggest = max((f for f in (tmp_path / "orbax").rglob("*") if f.is_file()),
                   key=lambda f: f.stat().st_size)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    # the file list in orbax.json finds it before orbax reads anything (orbax's own failure
+    # left its other reads running, which printed tracebacks later, at exit or in a GC)
+    with pytest.raises(TqjaxError, match=r"has \d+ bytes, expected \d+ \(truncated") as e:
+        tqjax.load(tmp_path / "orbax")
+    assert biggest.name in str(e.value)
+    # a checkpoint without the list (an older tqjax's) meets orbax's error, made one line
+    meta = json.loads((tmp_path / "orbax" / "orbax.json").read_text())
+    del meta["files"]
+    (tmp_path / "orbax" / "orbax.json").write_text(json.dumps(meta))
     with pytest.raises(TqjaxError, match="truncated or corrupt") as e:
         tqjax.load(tmp_path / "orbax")
     assert "TensorStore details" not in str(e.value)
     import gc
 
     gc.collect()  # (orbax's other shard reads, never awaited, are reported here, not later)
+
+
+def test_an_orbax_checkpoint_is_checked_against_its_file_list_before_reading(tmp_path):
+    """orbax.json lists every other file's size and sha256 (as quantization.json does); a
+    changed byte, a missing file or an entry outside the directory is one line naming it."""
+    from tqjax.models.checkpoint import file_digest
+    from tqjax.models.orbax_checkpoint import save_sharded
+
+    m = tqjax.load(GOLDEN / "tiny" / "llama")
+    info = save_sharded(tmp_path / "orbax", m.params, m.config)
+    root = tmp_path / "orbax"
+    on_disk = sorted(f.relative_to(root).as_posix() for f in root.rglob("*") if f.is_file())
+    assert sorted(info["files"]) == [n for n in on_disk if n != "orbax.json"]
+    assert "config.json" in info["files"] and any(n.startswith("state/") for n in info["files"])
+    for name, entry in info["files"].items():
+        assert (entry["size"], entry["sha256"]) == file_digest(root / name), name
+    np.testing.assert_array_equal(tqjax.logits(tqjax.load(root), TOKENS),
+                                  tqjax.logits(m, TOKENS))
+    biggest = max(info["files"], key=lambda n: info["files"][n]["size"])
+    data = bytearray((root / biggest).read_bytes())
+    data[len(data) // 2] ^= 1
+    (root / biggest).write_bytes(bytes(data))
+    with pytest.raises(TqjaxError, match=r"does not match its sha256 in orbax\.json") as e:
+        tqjax.load(root)
+    assert Path(biggest).name in str(e.value) and "\n" not in str(e.value)
+    (root / biggest).unlink()
+    with pytest.raises(TqjaxError, match=f"is missing {biggest}$"):
+        tqjax.load(root)
+    meta = json.loads((root / "orbax.json").read_text())
+    meta["files"] = {"../config.json": meta["files"]["config.json"]}
+    (root / "orbax.json").write_text(json.dumps(meta))
+    with pytest.raises(TqjaxError, match=r"bad entry for file \.\./config\.json"):
+        tqjax.load(root)
 
 
 def test_quantize_records_the_calibration_sha256(tmp_path):

@@ -385,8 +385,7 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_dict(config), indent=1))
         _save_tokenizer(tmp, tokenizer, source)
-        files = {f.name: dict(zip(("size", "sha256"), file_digest(f), strict=True))
-                 for f in sorted(tmp.iterdir())}
+        files = list_files(tmp)
         meta["files"] = files
         n = meta["memory"]["params"]
         meta["disk"] = {"bytes": sum(f["size"] for f in files.values()),
@@ -398,23 +397,33 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     return meta
 
 
-def verify_files(path: Path, meta: dict[str, Any]) -> None:
-    """Every file listed in quantization.json exists with its recorded size and sha256."""
-    files = meta.get("files")
-    if not isinstance(files, dict) or WEIGHTS_FILE not in files or CONFIG_FILE not in files:
-        raise TqjaxError(f"{path / QUANT_FILE} does not list {WEIGHTS_FILE} and {CONFIG_FILE}")
+def list_files(root: Path) -> dict[str, dict[str, Any]]:
+    """{path relative to `root` ("state/manifest.ocdbt"): {"size": bytes, "sha256": hex}} for
+    every file under `root`, sorted; what `verify_files` checks on load."""
+    return {f.relative_to(root).as_posix(): dict(zip(("size", "sha256"), file_digest(f),
+                                                     strict=True))
+            for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def verify_files(path: Path, files: Any, listing: str) -> None:  # noqa: ANN401 (JSON)
+    """Every file in `files` (`list_files`'s dict, read from `listing`, a file in `path`)
+    exists under `path` with its recorded size and sha256: a truncated, changed or missing
+    file is one line before any of it is read."""
+    if not isinstance(files, dict):
+        raise TqjaxError(f"{path / listing}: bad 'files' entry")
     for name, info in files.items():
-        f = path / name
-        if Path(name).name != name or not f.is_file():
-            raise TqjaxError(f"quantized checkpoint {path} is missing {name}")
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts or not isinstance(info, dict):
+            raise TqjaxError(f"{path / listing}: bad entry for file {name}")
+        f = path / rel
+        if not f.is_file():
+            raise TqjaxError(f"checkpoint {path} is missing {name}")
         size, digest = file_digest(f)
-        if not isinstance(info, dict):
-            raise TqjaxError(f"{QUANT_FILE}: bad entry for file {name}")
         if size != info.get("size"):
             raise TqjaxError(f"{f} has {size} bytes, expected {info.get('size')} "
                              f"(truncated or changed?)")
         if digest != info.get("sha256"):
-            raise TqjaxError(f"{f} does not match its sha256 in {QUANT_FILE} (tampered or corrupt)")
+            raise TqjaxError(f"{f} does not match its sha256 in {listing} (tampered or corrupt)")
 
 
 def check_architecture(path: Path, meta: dict[str, Any], config: ModelConfig) -> None:
@@ -456,7 +465,10 @@ def load_quantized(path: Path, dtype: str = "float32"
                          f"this tqjax reads version {FORMAT_VERSION} (quantize it again)")
     if not isinstance(meta.get("tensors"), dict):
         raise TqjaxError(f"{path / QUANT_FILE} has no 'tensors' table")
-    verify_files(path, meta)
+    files = meta.get("files")
+    if not isinstance(files, dict) or WEIGHTS_FILE not in files or CONFIG_FILE not in files:
+        raise TqjaxError(f"{path / QUANT_FILE} does not list {WEIGHTS_FILE} and {CONFIG_FILE}")
+    verify_files(path, files, QUANT_FILE)
     config = config_from_dict(read_json(path / CONFIG_FILE))
     check_architecture(path, meta, config)
     st = SafetensorsFile(path / WEIGHTS_FILE)

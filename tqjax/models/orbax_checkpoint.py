@@ -9,7 +9,8 @@ A directory holds:
 - `orbax.json`, written last: format name and version, the Params structure (pytree types,
   their static fields such as bits/group/in_features, and each array's shape and dtype, so
   the abstract tree can be rebuilt and sharded before anything is read), the caller's `meta`
-  (e.g. how the weights were quantized);
+  (e.g. how the weights were quantized), and the size and sha256 of every other file, checked
+  before anything is read (one written by an older tqjax has no list and is read unchecked);
 - the tokenizer files, when given.
 
 The whole directory is built under a temporary name and swapped into place
@@ -40,6 +41,8 @@ from tqjax.models.checkpoint import (
     _save_tokenizer,
     config_from_dict,
     config_to_dict,
+    list_files,
+    verify_files,
 )
 from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
@@ -161,6 +164,7 @@ def save_sharded(path: str | Path, params: Params, config: ModelConfig,
         ckptr.wait_until_finished()
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_dict(config), indent=1))
         _save_tokenizer(tmp, tokenizer, source)
+        info["files"] = list_files(tmp)
         (tmp / META_FILE).write_text(json.dumps(info, indent=1))
 
     replace_dir(path, fill)
@@ -207,6 +211,8 @@ def restore_sharded(path: str | Path, mesh: Mesh | None = None, dtype: str | Non
                          f"this tqjax reads version {FORMAT_VERSION} (quantize it again)")
     if not (path / STATE_DIR).is_dir():
         raise TqjaxError(f"orbax checkpoint {path} has no {STATE_DIR}/ directory")
+    if "files" in info:  # (one written by an older tqjax has no list)
+        verify_files(path, info["files"], META_FILE)
     config = config_from_dict(read_json(path / CONFIG_FILE))
     abstract = _decode(info.get("params"))
     if not isinstance(abstract, Params) or len(abstract.layers) != config.num_layers:
