@@ -218,8 +218,13 @@ def test_perplexity_text_must_be_utf8(tmp_path):
     perplexity, exit 0); a file of NUL bytes (valid UTF-8) was scored too; a directory was
     "no such text file"."""
     for name, data, needle in (
-            ("latin1.txt", "café au lait ".encode("latin-1") * 200, "is not utf-8 text ("),
-            ("utf16.txt", "café au lait ".encode("utf-16") * 200, "is not utf-8 text ("),
+            ("latin1.txt", "café au lait ".encode("latin-1") * 200,
+             "is not utf-8 text (invalid continuation byte at byte 3: b'\\xe9')"),
+            ("utf16.txt", "café au lait ".encode("utf-16") * 200,
+             "is not utf-8 text (invalid start byte at byte 0: b'\\xff')"),
+            # the byte is counted from the file's start, not from the reader's buffer
+            ("late.bin", "é".encode() * 40000 + b"\xc3(" + b"x" * 10,
+             "is not utf-8 text (invalid continuation byte at byte 80000: b'\\xc3')"),
             ("zeros.bin", bytes(3000), "is not a text file (a nul character at character 0)"),
             ("late.txt", b"text " * 100 + b"\0",
              "is not a text file (a nul character at character 500)")):

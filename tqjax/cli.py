@@ -154,13 +154,39 @@ def read_text_file(path: Path, chars: int | None = None) -> tuple[str, bool]:
             text = f.read(-1 if chars is None else chars)
             whole = chars is None or not f.read(1)
     except UnicodeDecodeError as e:  # replacement characters would be scored as text
-        raise TqjaxError(f"{path} is not UTF-8 text ({e.reason})") from None
+        where = _first_bad_utf8(path)
+        at = "" if where is None else f" at byte {where[0]}: {where[1]!r}"
+        raise TqjaxError(f"{path} is not UTF-8 text ({e.reason}{at})") from None
     except OSError as e:
         raise TqjaxError(f"cannot read {path}: {e.strerror or e}") from None
     nul = text.find("\0")
     if nul >= 0:
         raise TqjaxError(f"{path} is not a text file (a NUL character at character {nul})")
     return text, whole
+
+
+def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> tuple[int, bytes] | None:
+    """(file offset, bytes) of the first byte sequence in `path` that is not UTF-8 (the text
+    reader's error counts from its own buffer, not the file's start); None if none is found."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file given to the decoder so far
+    try:
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(chunk)
+                pending = len(decoder.getstate()[0])  # bytes held from the previous chunk
+                try:
+                    decoder.decode(data, final=not data)
+                except UnicodeDecodeError as e:
+                    start = offset - pending + e.start
+                    return start, (e.object[e.start:e.end])
+                if not data:
+                    return None
+                offset += len(data)
+    except OSError:
+        return None
 
 
 def enable_compilation_cache() -> None:
