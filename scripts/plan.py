@@ -48,6 +48,14 @@ def main() -> int:
         if result.context is not None:
             line += f" {r.max_batch:>12,}"
         print(line + f" {_mib(r.peak_bytes):>9}")
+    if not any(r.max_context for r in result.rows):
+        smallest = min(result.rows, key=lambda r: r.peak_bytes)
+        print(f"nothing fits in {_mib(result.memory_bytes)} MiB per device: the smallest, "
+              f"{smallest.weights} with a {smallest.kv} cache, needs {_mib(smallest.peak_bytes)} "
+              f"MiB at one token (peak MiB is at one token where max context is 0)")
+    elif not all(r.max_context for r in result.rows):
+        print("max context 0: the preset does not fit even at one token (peak MiB is its "
+              "peak there)")
     return 0
 
 

@@ -154,6 +154,22 @@ def test_plan_bad_inputs_are_one_line(tiny, tmp_path):
     assert "8XB" in proc.stderr
 
 
+def test_plan_script_says_when_nothing_fits(tiny):
+    """A budget under every preset's one-token peak: each row's max context is 0, and the
+    table ends by saying so and naming the smallest preset's need (it was rows of 0 alone)."""
+    smallest = min(planner.plan(tiny, "1GiB").rows, key=lambda r: r.peak_bytes)
+    budget = smallest.peak_bytes // 2
+    rows = planner.plan(tiny, budget).rows
+    assert all(r.max_context == 0 for r in rows)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "-m", str(tiny),
+                           "--memory", f"{budget}B"], capture_output=True, text=True, check=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    need = min(rows, key=lambda r: r.peak_bytes)
+    assert last.startswith(f"nothing fits in {budget / 2**20:,.0f} MiB per device: the "
+                           f"smallest, {need.weights} with a {need.kv} cache, needs "
+                           f"{need.peak_bytes / 2**20:,.0f} MiB at one token"), last
+
+
 def test_plan_script_json(tiny):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "-m", str(tiny),
                            "--memory", "2GiB", "--context", "128", "--json"],
