@@ -90,6 +90,34 @@ def test_tokenizer_and_chat_template_match_hf(case):
     assert model.tokenizer.encode(meta["prompt_text"], add_bos=False) == ref["prompt_ids"].tolist()
 
 
+# llama.cpp's end-of-generation tokens for each GGUF (its load log's "EOG token" lines);
+# HF's generation_config.json ends Qwen2.5 on 151645 and 151643 too
+END_OF_GENERATION = {
+    "smollm2-135m-instruct": {"<|im_end|>", "<|endoftext|>", "<reponame>"},
+    "qwen2.5-coder-0.5b-instruct": {"<|im_end|>", "<|endoftext|>", "<|fim_pad|>",
+                                    "<|repo_name|>", "<|file_sep|>"},
+    "qwen2.5-coder-1.5b-instruct": {"<|im_end|>", "<|endoftext|>", "<|fim_pad|>",
+                                    "<|repo_name|>", "<|file_sep|>"},
+}
+
+
+def test_generation_ends_on_every_end_token(case):
+    """Each model's end tokens are llama.cpp's set, the GGUF's named eos first; a reply that
+    begins with <|endoftext|> ends there (Qwen2.5 did, and generated a new reply after it)."""
+    model, _, meta = case
+    tok = model.tokenizer
+    assert {tok.decode([i], skip_special=False) for i in tok.eos_ids} == \
+        END_OF_GENERATION[meta["model"]]
+    assert tok.decode([tok.eos_ids[0]], skip_special=False) == "<|im_end|>"
+    prompt = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\nOK<|im_end|>\n"
+    r = tqjax.generate(model, prompt, max_new_tokens=8, ctx_size=64)
+    assert not set(r.token_ids[:-1]) & set(tok.eos_ids)  # generation stops at the first
+    assert (r.finish_reason == "eos") == (r.token_ids[-1] in tok.eos_ids)
+    if meta["model"] == "qwen2.5-coder-0.5b-instruct":  # (measured: its first token)
+        assert tok.decode(r.token_ids, skip_special=False) == "<|endoftext|>"
+        assert (r.finish_reason, r.text) == ("eos", "")
+
+
 def test_perplexity_matches_hf(case):
     model, ref, meta = case
     spec = meta["perplexity"]

@@ -182,6 +182,25 @@ def test_gguf_tokenizer_errors():
     assert tokenizer_from_gguf({"general.architecture": "llama"}) is None
 
 
+def test_end_of_generation_ids_are_llama_cpps():
+    """A GGUF names one eos, but generation ends on llama.cpp's whole set: the named eos, eot
+    and eom ids (eos first), the FIM pad, repo and file-separator tokens (named, else the first
+    by text) and every token whose text is an end-of-turn or end-of-text (Qwen2.5 emits
+    <|endoftext|>, which was not an end: generation ran on into a new reply)."""
+    from tqjax.models.tokenizer import end_of_generation_ids
+
+    tokens = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_pad|>",
+              "<|repo_name|>", "<|file_sep|>", "<|fim_repo|>", "a", "<|eot_id|>", "b"]
+    assert end_of_generation_ids({"tokenizer.ggml.eos_token_id": 3}, tokens) == (
+        3, 4, 5, 6, 1, 9)
+    named = {"tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.eot_token_id": 10,
+             "tokenizer.ggml.fim_pad_token_id": 8}
+    assert end_of_generation_ids(named, tokens) == (3, 10, 8, 5, 6, 1, 9)
+    assert end_of_generation_ids({}, ["a", "b"]) == ()
+    # an id outside the vocabulary is dropped, not kept to be compared with forever
+    assert end_of_generation_ids({"tokenizer.ggml.eos_token_id": 99}, ["a"]) == ()
+
+
 # ------------------------------------------------------------------------ GGUF pre-tokenizers
 def _bpe_meta(pre):
     alphabet = [chr(c) for c in range(33, 127)] + ["Ġ"]

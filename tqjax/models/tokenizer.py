@@ -278,6 +278,40 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
     return tok
 
 
+# llama.cpp's end-of-generation tokens by their text (llama-vocab.cpp, `special_eog_ids`):
+# GGUF files name one eos (Qwen2.5: <|im_end|>), but a model also ends with the others (Qwen2.5
+# emits <|endoftext|> too, and HF lists both in generation_config.json)
+END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                           "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+                           "<end_of_utterance>")
+# ... and the fill-in-the-middle pad, repository and file-separator tokens (Qwen2.5-Coder's
+# <|fim_pad|>, <|repo_name|>, <|file_sep|>): the first of each kind, as llama.cpp finds them
+FIM_END_TEXTS = (("fim_pad", ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
+                 ("fim_rep", ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                              "<reponame>")),
+                 ("fim_sep", ("<|file_sep|>",)))
+
+
+def end_of_generation_ids(meta: dict[str, Any], tokens: list[str]) -> tuple[int, ...]:
+    """The token ids that end generation for a GGUF vocabulary, as llama.cpp's set: the named
+    eos, eot and eom ids (eos first: it is the template's `eos_token`), the FIM pad, repo and
+    file-separator tokens (named in the metadata, else found by text), and every token whose
+    text is in `END_OF_GENERATION_TEXTS`."""
+    ids: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        named = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if named is not None:
+            ids.append(int(named))
+    index = {t: i for i, t in reversed(list(enumerate(tokens)))}  # (a text's first id)
+    for key, texts in FIM_END_TEXTS:
+        named = meta.get(f"tokenizer.ggml.{key}_token_id")
+        found = [index[t] for t in texts if t in index]
+        if named is not None or found:
+            ids.append(int(named) if named is not None else min(found))
+    ids += sorted(index[t] for t in END_OF_GENERATION_TEXTS if t in index)
+    return tuple(i for i in dict.fromkeys(ids) if 0 <= i < len(tokens))
+
+
 def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer | None:
     """Rebuild the tokenizer stored in GGUF metadata: byte-level BPE (`gpt2`, with a known
     `tokenizer.ggml.pre`) or SentencePiece BPE (`llama`), as HF transformers' GGUF loader does.
@@ -320,14 +354,10 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer | None:
     # HF builds the post-processor from these flags (and llama.cpp adds the same tokens)
     tok.post_processor = _bos_eos_template((tokens[bos], bos) if add_bos else None,
                                            (tokens[int(eos)], int(eos)) if add_eos else None)
-    eos_ids = [] if eos is None else [int(eos)]
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos_ids:
-        eos_ids.append(int(eot))
     return Tokenizer(
         backend=tok,
         bos_id=bos,
-        eos_ids=tuple(eos_ids),
+        eos_ids=end_of_generation_ids(meta, tokens),
         add_bos=add_bos,
         chat_template=meta.get("tokenizer.chat_template"),
         special={tokens[i]: i for i in special_ids},
