@@ -58,6 +58,24 @@ def test_generate_json(tiny_model):
     assert len(out["token_ids"]) == 5
 
 
+def test_seed_minus_one_draws_a_seed_and_reports_it(tiny_model):
+    """`--seed -1` draws a seed, as llama.cpp and the server do (it was the fixed seed
+    2**32 - 1); --json reports the seed, and giving it back reproduces the run."""
+    common = ("--model", tiny_model, "--prompt", "hello", "-n", "6", "--temperature", "1.5",
+              "--json")
+    outs = []
+    for seed in ("-1", "-1"):
+        proc = run("generate.py", *common, "--seed", seed)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    seeds = [o["seed"] for o in outs]
+    assert all(isinstance(s, int) and 0 <= s < 2**31 for s in seeds)
+    assert seeds[0] != seeds[1]  # (the same draw twice: 1 in 2**31)
+    again = run("generate.py", *common, "--seed", str(seeds[0]))
+    out = json.loads(again.stdout.strip().splitlines()[-1])
+    assert (out["seed"], out["token_ids"]) == (seeds[0], outs[0]["token_ids"])
+
+
 def test_a_closed_stdout_ends_generate_quietly(tiny_model):
     """`generate.py | head -c1`: the reader goes away after the first token; generate stops
     with 141 (a shell's code for SIGPIPE) and no message (it printed "error: Broken pipe")."""

@@ -467,7 +467,9 @@ def generate(model: Model, prompt: Prompt | list[str], *,
 
     Greedy when temperature is 0; otherwise `seed` fixes the draws: a batch's first row
     draws as that prompt alone does, row b from the seed and its index b (so a prompt's
-    sampled text depends on its place in the batch). `on_text` receives streamed text pieces
+    sampled text depends on its place in the batch). Every integer is a fixed seed here, -1
+    too (the CLI and the server draw one for -1: `tqjax.decode.sampling.random_seed`).
+    `on_text` receives streamed text pieces
     (a single prompt only: with a batch it is a TqjaxError).
     `stop`: strings that end the text (a lone string is one; an empty one is a TqjaxError).
     `chat` applies the chat template, with `system` as its system message (a TqjaxError

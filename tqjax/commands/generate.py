@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; -1 draws one (as llama.cpp; --json reports it)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ctx-size", type=int, default=None,
                    help="context size in tokens (default: the model's)")
@@ -73,11 +74,13 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import tqjax
     from tqjax.api import check_options, kv_footprint
-    from tqjax.decode.sampling import SamplingParams
+    from tqjax.decode.sampling import RANDOM_SEED, SamplingParams, random_seed
     from tqjax.pallas.backend import check_backend, use_backend
 
     # Validate every option before the (slow) model load.
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty)
+    if args.seed == RANDOM_SEED:
+        args.seed = random_seed()
     spec = cache_spec(args)
     mesh = model_mesh(args)
     if args.ctx_size is not None and args.ctx_size < 2:
@@ -121,7 +124,8 @@ def run(argv: list[str] | None = None) -> int:
         print_json({
             "text": result.text, "token_ids": result.token_ids,
             "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
-            "finish_reason": result.finish_reason, "cached_tokens": result.cached_tokens,
+            "finish_reason": result.finish_reason, "seed": args.seed,
+            "cached_tokens": result.cached_tokens,
             "context_shifts": result.context_shifts,
             "prefill_tok_s": round(result.prefill_tok_s, 2),
             "prefill_compile_s": round(result.prefill_compile_s, 3),

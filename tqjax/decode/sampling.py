@@ -10,6 +10,7 @@ sampling path runs only when some row samples.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Sequence
 
 import jax
@@ -78,6 +79,14 @@ def row_sampling(settings: Sequence[SamplingParams]) -> RowSampling:
     return RowSampling(col("temperature", np.float32), col("top_k", np.int32),
                        col("top_p", np.float32), col("min_p", np.float32),
                        col("repeat_penalty", np.float32))
+
+
+RANDOM_SEED = -1  # as llama.cpp: a seed of -1 asks for a fresh one (`random_seed`)
+
+
+def random_seed() -> int:
+    """A fresh seed, for a request that gave none or gave `RANDOM_SEED`."""
+    return secrets.randbits(31)
 
 
 def request_key(seed: int, index: int = 0) -> jax.Array:

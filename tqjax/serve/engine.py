@@ -29,7 +29,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -514,8 +513,3 @@ def _send(req: Request, ev: Event) -> None:
         req.emit(ev)
     except Exception:  # noqa: BLE001
         req.cancelled = True
-
-
-def random_seed() -> int:
-    """A seed for a request that gave none."""
-    return secrets.randbits(31)

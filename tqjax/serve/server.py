@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tqjax.api import _TextStream
-from tqjax.decode.sampling import SamplingParams
+from tqjax.decode.sampling import RANDOM_SEED, SamplingParams, random_seed
 from tqjax.errors import TqjaxError
 from tqjax.serve.engine import (
     TOP_LOGPROBS,
@@ -52,7 +52,6 @@ from tqjax.serve.engine import (
     QueueFull,
     SlotBusy,
     Token,
-    random_seed,
 )
 from tqjax.serve.engine import (
     Request as EngineRequest,
@@ -274,7 +273,7 @@ def _sampling(body: _Common) -> SamplingParams:
     try:
         return SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p,
                               body.repeat_penalty,
-                              random_seed() if body.seed in (None, -1) else body.seed)
+                              random_seed() if body.seed in (None, RANDOM_SEED) else body.seed)
     except TqjaxError as e:
         raise ApiError(400, str(e)) from None
 
