@@ -144,6 +144,45 @@ def test_saved_cache_restores_bit_for_bit(model, name, tmp_path):
     assert slot_axes and set(slot_axes) == {45}
 
 
+def test_a_saved_cache_loads_where_the_calibration_differs_in_its_last_bits(model, tmp_path):
+    """The same model on another mesh or CPU calibrates to means that differ in their last
+    bits (TP 3 against one device, found by QA): a file made there is accepted (its constants
+    checked against its own saved means), the next steps' logits equal to rounding; another
+    calibration (1% off) is still refused."""
+    import dataclasses
+
+    spec = SPECS["turbo4/turbo3"]
+    prompt = np.random.default_rng(5).integers(3, 256, 45).tolist()
+    cal = model.calibration(spec)
+
+    def scaled(f):
+        return dataclasses.replace(cal, **{n.name: np.asarray(getattr(cal, n.name)) * f
+                                           for n in dataclasses.fields(cal)})
+
+    near = scaled(np.float32(1 + 2e-6))
+    meta = pc.cache_meta(model.config, model.params, model.tokenizer, spec, cal)
+    other = pc.cache_meta(model.config, model.params, model.tokenizer, spec, near)
+    assert other.calibration_sha256 != meta.calibration_sha256
+    assert other.constants_sha256 != meta.constants_sha256
+    cache = gen.new_cache(model.params, model.config, spec, 1, 128, near)
+    tokens = np.zeros((1, gen.padded_length(45)), np.int32)
+    tokens[0, :45] = prompt
+    _, cache = gen.prefill(model.params, model.config, tokens, np.asarray([45]), cache)
+    path = tmp_path / "p.tqkv"
+    pc.save_prompt_cache(path, cache, prompt, other)  # made "elsewhere"
+    restored, ids = pc.load_prompt_cache(path, meta, 128)
+    assert ids == prompt
+    step = jax.jit(lambda c, t, s: gen.forward(model.params, model.config, t, s, c,
+                                               out_index=jnp.zeros(1, jnp.int32)))
+    want, _ = step(filled(model, spec, [prompt], 128), jnp.asarray([[9]]),
+                   jnp.asarray([45], jnp.int32))
+    got, _ = step(restored, jnp.asarray([[9]]), jnp.asarray([45], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    far = pc.cache_meta(model.config, model.params, model.tokenizer, spec, scaled(1.01))
+    with pytest.raises(TqjaxError, match="other calibration constants"):
+        pc.load_prompt_cache(path, far, 128)
+
+
 def test_bad_prompt_cache_files_are_refused(model, tmp_path):
     spec = SPECS["turbo4"]
     prompt = np.random.default_rng(3).integers(3, 256, 20).tolist()

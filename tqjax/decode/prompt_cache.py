@@ -9,7 +9,11 @@ Every array of a cache is one of three kinds (the rule `tqjax.kv.cache.bytes_per
 - per-layer constants (no batch axis): centres, rope frequencies, channel scales, rotations,
   codebooks, QJL matrices. They come from the spec, the calibration and the seed, never from a
   row: `put_row` keeps the target cache's, and a saved file holds only their sha256 (checked
-  against the target cache's on load) and none of their values.
+  against the target cache's on load) and none of their values. The calibration means they
+  come from are saved too (small: [L, KV, hd] each): on another mesh or CPU the calibration
+  pass sums in another order and its means differ in their last bits, so a file whose
+  calibration is within `CALIBRATION_RTOL` of the target's is accepted when its constants'
+  sha256 is the one its own calibration gives.
 
 File format: one safetensors file (a single-host blob of a batch-1 row, written atomically).
 safetensors rather than orbax-checkpoint: a prompt cache is one small flat dict of host arrays
@@ -283,6 +287,36 @@ def _calibration_sha256(calibration: Calibration | None) -> str:
     return h.hexdigest()
 
 
+CALIBRATION_RTOL = 1e-4  # of each field's largest magnitude: a mesh's or CPU's rounding
+# moves the means by ~1e-6 of it; another model's or calibration text's by far more
+_CALIBRATION_PREFIX = "calibration."
+
+
+def _calibration_tensors(calibration: Calibration | None) -> dict[str, np.ndarray]:
+    """The calibration means a saved file carries (none without a calibration)."""
+    if calibration is None:
+        return {}
+    return {_CALIBRATION_PREFIX + f.name: np.asarray(getattr(calibration, f.name), np.float32)
+            for f in dataclasses.fields(calibration)}
+
+
+def _near_calibration(saved: dict[str, np.ndarray], calibration: Calibration | None
+                      ) -> Calibration | None:
+    """The file's calibration where every field is within `CALIBRATION_RTOL` of the target's
+    (the same model calibrated on another mesh or CPU), else None."""
+    if calibration is None or not saved:
+        return None
+    fields = {}
+    for name, want in _calibration_tensors(calibration).items():
+        got = saved.get(name)
+        if got is None or got.shape != want.shape or not np.all(np.isfinite(got)) or \
+                np.abs(got - want).max(initial=0.0) > CALIBRATION_RTOL * np.abs(want).max(
+                    initial=0.0):
+            return None
+        fields[name.removeprefix(_CALIBRATION_PREFIX)] = got
+    return type(calibration)(**fields)
+
+
 def _constants_sha256(cache: KVCache) -> str:
     """sha256 of every per-layer constant of a cache (rotations, codebooks, centres, channel
     scales, QJL matrices, rope frequencies) and of its layout (store types, static fields)."""
@@ -398,7 +432,7 @@ def save_prompt_cache(path: str | Path, cache: KVCache, tokens: Sequence[int],
         raise TqjaxError(f"{n} tokens but the cache has only {cache.slots} slots")
     if cache.num_layers != meta.num_layers or _constants_sha256(cache) != meta.constants_sha256:
         raise TqjaxError("the cache is not in the format its CacheMeta describes")
-    tensors = _cache_tensors(cache, n)
+    tensors = _cache_tensors(cache, n) | _calibration_tensors(meta.calibration)
     tensors["tokens"] = ids.astype(np.int32)
     header = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n),
               "meta": json.dumps(meta.record(), sort_keys=True)}
@@ -485,6 +519,15 @@ def load_prompt_cache(path: str | Path, meta: CacheMeta, slots: int
     except (KeyError, ValueError) as e:
         raise TqjaxError(f"prompt cache {path} has unreadable metadata ({e})") from None
     want = meta.record()
+    saved_calibration = {k: tensors.pop(k) for k in list(tensors)
+                         if k.startswith(_CALIBRATION_PREFIX)}
+    if record.get("calibration_sha256") != want["calibration_sha256"]:
+        near = _near_calibration(saved_calibration, meta.calibration)
+        if near is not None and record.get("constants_sha256") == _constants_sha256(
+                dataclasses.replace(meta, calibration=near).empty_cache(1)):
+            # (the target's own constants are used: they differ from the file's in last bits)
+            record = {**record, "calibration_sha256": want["calibration_sha256"],
+                      "constants_sha256": want["constants_sha256"]}
     for name, what in _FIELD_NAMES.items():
         if record.get(name) != want[name]:
             raise TqjaxError(f"prompt cache {path} was made for {what}; it does not match "
