@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv: list[str] | None = None) -> object:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p)
+    add_model_args(p, batches=True)
     p.add_argument("--url", default=None,
                    help="measure this server (base URL, e.g. http://127.0.0.1:8080) instead "
                         "of starting scripts/serve.py")

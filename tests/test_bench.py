@@ -73,6 +73,7 @@ def test_bench_json_schema(bench_json):
     assert (r["prompt_tokens"], r["context"], r["decode_tokens"]) == (8, 32, 2)
     assert r["slots"] == 32 + 2 + 2
     assert r["kv"] == "f32" and r["weights"] == "none" and r["weights_loaded"] == "dense"
+    assert (r["tp"], r["devices"]) == (1, 1)  # (a TP run is told apart from one device)
     t = r["tqjax"]
     for key in ("prefill_tok_s", "decode_tok_s", "decode_ms_per_token", "cache_alloc_bytes",
                 "load_s", "roofline_tok_s"):

@@ -58,6 +58,15 @@ def test_generate_json(tiny_model):
     assert len(out["token_ids"]) == 5
 
 
+@pytest.mark.parametrize("script", ["generate.py", "perplexity.py", "bench.py"])
+def test_data_parallel_is_offered_only_where_batches_run(script):
+    """One sequence on a --dp mesh was only copied to every device group (found by QA): the
+    programs that run one sequence have no --dp, only --tp (the server keeps both)."""
+    proc = run(script, "--model", "/nonexistent", "--dp", "2")
+    assert_user_error(proc, "unrecognized arguments: --dp 2")
+    assert "--tp N" in run(script, "--help").stdout
+
+
 def test_seed_minus_one_draws_a_seed_and_reports_it(tiny_model):
     """`--seed -1` draws a seed, as llama.cpp and the server do (it was the fixed seed
     2**32 - 1); --json reports the seed, and giving it back reproduces the run."""

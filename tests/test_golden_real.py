@@ -37,7 +37,7 @@ LOOSEST = tuple(max(t[i] for t in TOLERANCE.values()) for i in range(2))
 
 
 # Qwen2.5-Coder-1.5B (head_dim 128; golden on a shorter text: 2 windows of 256) is `slow`
-# (6.2 GB of f32 weights; 9 minutes under heavy shared load, 4 of them loading). Keeping its
+# (7.1 GB of f32 weights; 9 minutes under heavy shared load, 4 of them loading). Keeping its
 # GGUF blocks instead (weights="gguf") matches HF's logits as closely (5.2e-5) but decodes
 # every block at every greedy step: over 20 minutes here. It is also `large`: skipped in the
 # default run (CI's 20-minute budget) unless --run-large or TQJAX_TEST_LARGE=1.

@@ -437,6 +437,21 @@ def test_bad_mesh_sizes_are_one_line_errors(tiny):
     assert all("\n" not in v for v in e.values())
 
 
+def test_make_mesh_takes_numpy_integers_as_every_count_is_taken():
+    """`tqjax.make_mesh(tp=np.int64(1))` was refused (isinstance int), unlike every other
+    count the API takes (`tqjax.errors.is_int`); floats and bools stay refused."""
+    import numpy as np
+
+    import tqjax
+    from tqjax.errors import TqjaxError
+
+    mesh = tqjax.make_mesh(tp=np.int64(1), dp=np.int32(1))
+    assert dict(mesh.shape) == {"dp": 1, "tp": 1}
+    for bad in (1.0, True, np.int64(0)):
+        with pytest.raises(TqjaxError, match="tensor parallel size must be a positive integer"):
+            tqjax.make_mesh(tp=bad)
+
+
 def test_orbax_round_trip_onto_other_meshes(tiny):
     o = tiny["orbax"]
     assert {k: v.get("devices") for k, v in o.items()} == {"tp8": 8, "one": 1, "load tp8": None}

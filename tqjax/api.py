@@ -37,6 +37,7 @@ from tqjax.decode.prompt_cache import (
 )
 from tqjax.decode.sampling import SamplingParams
 from tqjax.errors import TqjaxError, is_int
+from tqjax.fetch import resolve_path
 from tqjax.host import drop_programs
 from tqjax.kv.cache import (
     CacheSpec,
@@ -90,19 +91,6 @@ class Model:
                               self.calibration(spec))
             self._metas[spec] = (self.params, meta)
         return meta
-
-
-def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
-    """A registered model name is fetched (and cached); anything else is a local path."""
-    if str(path_or_name) in fetch.MODEL_NAMES:
-        return fetch.fetch_model(str(path_or_name), progress=progress)
-    if not str(path_or_name).strip():  # (Path("") is the working directory)
-        raise TqjaxError(f"empty model name (use a path or one of: {', '.join(fetch.MODEL_NAMES)})")
-    path = Path(path_or_name).expanduser()
-    if not path.exists():
-        raise TqjaxError(f"no such model file or directory: {path} "
-                         f"(or use a model name: {', '.join(fetch.MODEL_NAMES)})")
-    return path
 
 
 def _hf_tokenizer(path: Path, config: ModelConfig) -> Tokenizer | None:

@@ -59,17 +59,26 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """--model and --dtype alone (a program that runs the model as it is)."""
     from tqjax.fetch import DEFAULT_MODEL, MODEL_NAMES
-    from tqjax.kv.cache import STORE_FACTORIES
-    from tqjax.models.loading import GGUF_WEIGHTS
-    from tqjax.models.quantize import METHODS, MIXED
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"model name ({', '.join(MODEL_NAMES)}), HF directory or .gguf file "
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="parameter and compute dtype (default float32: fastest on CPU)")
+
+
+def add_model_args(p: argparse.ArgumentParser, batches: bool = False) -> None:
+    """The model, weights, cache, backend and mesh options; `--dp` (the batch over devices)
+    only where the program decodes batches (`batches`: the server's slots), as one sequence
+    on a data-parallel mesh is only copied to every group."""
+    from tqjax.kv.cache import STORE_FACTORIES
+    from tqjax.models.loading import GGUF_WEIGHTS
+    from tqjax.models.quantize import METHODS, MIXED
+
+    add_model_arg(p)
     p.add_argument("--weights", default=None, choices=[*METHODS, MIXED, GGUF_WEIGHTS],
                    help="quantize the weights on the fly (tqjax-quantize saves them); "
                         f"{GGUF_WEIGHTS}: keep a .gguf file's quantized blocks as they are")
@@ -95,8 +104,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tensor parallel: split attention heads, the MLP and the vocabulary over "
                         "N devices (N must divide the attention heads; on CPU, N host devices "
                         "are made)")
-    p.add_argument("--dp", type=int, default=1, metavar="M",
-                   help="data parallel: split the batch over M devices (a mesh of M x N)")
+    if batches:
+        p.add_argument("--dp", type=int, default=1, metavar="M",
+                       help="data parallel: split the batch over M devices (a mesh of M x N)")
     p.add_argument("--kv-recent", type=int, default=None, metavar="N",
                    help="turbo caches: each query sees its N most recent tokens exactly (a "
                         "per-layer ring of N fp16 keys and values; default 32, 0 = off)")
@@ -113,8 +123,9 @@ def model_mesh(args: argparse.Namespace) -> object:
 
     from tqjax.sharding import make_mesh
 
-    n = args.tp * args.dp
-    if args.tp == args.dp == 1:
+    dp = getattr(args, "dp", 1)
+    n = args.tp * dp
+    if args.tp == dp == 1:
         return None
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and "xla_force_host_platform_device_count" not in flags:
@@ -122,7 +133,7 @@ def model_mesh(args: argparse.Namespace) -> object:
 
         if not xla_bridge.backends_are_initialized():
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
-    return make_mesh(tp=args.tp, dp=args.dp, devices=jax.devices())
+    return make_mesh(tp=args.tp, dp=dp, devices=jax.devices())
 
 
 def cache_spec(args: argparse.Namespace) -> object:

@@ -473,3 +473,16 @@ def corpus_text(spec: str) -> str:
         raise TqjaxError(f"unknown {kind} text {name!r}; available: {', '.join(avail)}")
     raw = path.read_bytes().decode("utf-8-sig", errors="replace")
     return strip_gutenberg(raw.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+def resolve_path(path_or_name: str | Path, progress: bool = False) -> Path:
+    """A registered model name is fetched (and cached); anything else is a local path."""
+    if str(path_or_name) in MODEL_NAMES:
+        return fetch_model(str(path_or_name), progress=progress)
+    if not str(path_or_name).strip():  # (Path("") is the working directory)
+        raise TqjaxError(f"empty model name (use a path or one of: {', '.join(MODEL_NAMES)})")
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise TqjaxError(f"no such model file or directory: {path} "
+                         f"(or use a model name: {', '.join(MODEL_NAMES)})")
+    return path

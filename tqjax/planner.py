@@ -337,10 +337,7 @@ def plan(model: str | Path, memory: int | str, *, devices: int = 1, batch: int =
             raise TqjaxError(f"{what} must be a positive integer, got {x!r}")
     if context is not None and (not isinstance(context, int) or context < 1):
         raise TqjaxError(f"context must be a positive integer, got {context!r}")
-    path = (fetch.fetch_model(str(model), progress=False) if str(model) in fetch.MODEL_NAMES
-            else Path(model).expanduser())
-    if not path.exists():
-        raise TqjaxError(f"no such model file or directory: {path}")
+    path = fetch.resolve_path(model)
     config, tensors = _tensor_table(path)
     check_tp(config, devices)  # what `--tp` would refuse, the plan refuses too
     if context is not None and context > config.max_position:

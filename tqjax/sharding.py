@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tqjax.errors import TqjaxError
+from tqjax.errors import TqjaxError, is_int
 from tqjax.kv.cache import KVCache
 from tqjax.models.config import ModelConfig
 from tqjax.models.transformer import LayerParams, LayerStack, Params
@@ -113,8 +113,9 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list[Any] | None = None) -> Mes
     """A (dp, tp) mesh over the first dp·tp devices (default `jax.devices()`); the tensor axis
     varies fastest, so a tensor-parallel group is adjacent devices."""
     for name, n in (("tensor", tp), ("data", dp)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_int(n) or n < 1:
             raise TqjaxError(f"{name} parallel size must be a positive integer, got {n!r}")
+    tp, dp = int(tp), int(dp)
     devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
         hint = (f" (on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count="

@@ -548,6 +548,7 @@ def run(argv: list[str] | None = None) -> int:
         "model": Path(path).name.removesuffix(".gguf"), "model_path": path,
         **git_info(ROOT), "jax": jax.__version__, "machine": machine_info(),
         "backend": args.backend, "device": str(jax.devices()[0]),
+        "tp": args.tp, "devices": 1 if mesh is None else mesh.size,
         "dtype": args.dtype, "weights": args.weights or "none", "bpw": args.bpw,
         "quantize_embeddings": args.quantize_embeddings,
         "cache_type_k": spec.k, "cache_type_v": spec.v,

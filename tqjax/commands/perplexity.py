@@ -118,7 +118,7 @@ def run(argv: list[str] | None = None) -> int:
            "windows": res.windows, "ctx": args.ctx_size, "text": source,
            "model": model.source, "dtype": args.dtype,
            "cache_type_k": spec.k, "cache_type_v": spec.v, "backend": args.backend,
-           "tp": args.tp, "dp": args.dp, "devices": len(device_bytes(model.params)),
+           "tp": args.tp, "devices": len(device_bytes(model.params)),
            **kv_footprint(model, spec, args.ctx_size),
            "seconds": round(time.perf_counter() - t0, 2)}
     if res.kl is not None:

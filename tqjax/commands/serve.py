@@ -18,7 +18,7 @@ from tqjax.cli import ArgumentParser, add_model_args, cache_spec, model_mesh, ru
 
 def parse_args(argv: list[str] | None = None) -> object:
     p = ArgumentParser(prog="tqjax-serve", description=__doc__.split("\n\n")[0])
-    add_model_args(p)
+    add_model_args(p, batches=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     p.add_argument("--slots", "-np", type=int, default=4,
