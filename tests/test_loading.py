@@ -609,3 +609,21 @@ def test_config_variants_a_user_may_bring(tmp_path):
     with pytest.raises(TqjaxError, match="unsupported qwen3 variant: attention_bias"):
         tqjax.load(_edited_copy(tmp_path, "qwen3", config=lambda c: c.update(
             attention_bias=True)))
+
+
+def test_hf_generation_config_end_tokens_are_end_tokens(tmp_path):
+    """HF's generate ends on generation_config.json's eos_token_id (Qwen2.5 lists <|im_end|>
+    and <|endoftext|>); they follow config.json's own (found by review: only config.json's
+    was read). A bad value is one line."""
+    import json
+    import shutil
+
+    d = tmp_path / "qwen2"
+    shutil.copytree(GOLDEN / "tiny" / "qwen2", d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    base = tqjax.load(d).config.eos_token_ids
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [7, *base]}))
+    assert tqjax.load(d).config.eos_token_ids == (*base, 7)
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": "x"}))
+    with pytest.raises(TqjaxError, match="generation_config.json: eos_token_id must be"):
+        tqjax.load(d)

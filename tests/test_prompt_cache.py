@@ -181,6 +181,18 @@ def test_a_saved_cache_loads_where_the_calibration_differs_in_its_last_bits(mode
     far = pc.cache_meta(model.config, model.params, model.tokenizer, spec, scaled(1.01))
     with pytest.raises(TqjaxError, match="other calibration constants"):
         pc.load_prompt_cache(path, far, 128)
+    # an array that is no calibration field is not taken as one (it is an unexpected array)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "numpy") as f:
+        header = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors["calibration.bogus"] = np.zeros(3, np.float32)
+    body = {k: v for k, v in header.items() if k != "sha256"}
+    pc.write_safetensors(tmp_path / "x.tqkv", tensors, {**body,
+                                                         "sha256": pc._checksum(body, tensors)})
+    with pytest.raises(TqjaxError, match=r"unexpected arrays \['calibration.bogus'\]"):
+        pc.load_prompt_cache(tmp_path / "x.tqkv", meta, 128)
 
 
 def test_bad_prompt_cache_files_are_refused(model, tmp_path):
@@ -213,9 +225,9 @@ def test_bad_prompt_cache_files_are_refused(model, tmp_path):
         flipped[at] ^= 0x10
         refused(bytes(flipped), "corrupt")
     header_len = int.from_bytes(data[:8], "little")
-    text = data[8:8 + header_len].replace(b'"version":"2"', b'"version":"1"')
+    text = data[8:8 + header_len].replace(b'"version":"3"', b'"version":"2"')
     assert len(text) == header_len and text != data[8:8 + header_len]
-    refused(data[:8] + text + data[8 + header_len:], "format version 1, this tqjax reads version 2")
+    refused(data[:8] + text + data[8 + header_len:], "format version 2, this tqjax reads version 3")
     refused(data, "holds 20 tokens, more than the 16 slots", slots=16)
     with pytest.raises(TqjaxError, match="no such"):
         pc.load_prompt_cache(tmp_path / "missing.tqkv", meta, 64)

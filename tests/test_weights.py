@@ -974,6 +974,30 @@ def test_an_orbax_checkpoint_is_checked_against_its_file_list_before_reading(tmp
         tqjax.load(root)
 
 
+def test_both_checkpoint_kinds_keep_the_tokenizers_end_tokens(tmp_path):
+    """A GGUF model ends on llama.cpp's whole end-of-generation set; its tokenizer files are
+    read back with config.json's ids, so both savers write the set there (the orbax saver
+    did not: a saved Qwen2.5 ran on past <|endoftext|> again; found by review)."""
+    import shutil
+
+    from tqjax.models.checkpoint import save_quantized
+    from tqjax.models.orbax_checkpoint import save_sharded
+
+    from .test_cli import make_byte_tokenizer
+
+    d = tmp_path / "llama"
+    shutil.copytree(GOLDEN / "tiny" / "llama", d)
+    make_byte_tokenizer(d)
+    m = tqjax.load(d)
+    tok = dataclasses.replace(m.tokenizer, eos_ids=(*m.tokenizer.eos_ids, 7, 9))
+    save_sharded(tmp_path / "orbax", m.params, m.config, tokenizer=tok)
+    save_quantized(tmp_path / "q", m.params, m.config, method={"weights": "none"}, tokenizer=tok)
+    for out in ("orbax", "q"):
+        back = tqjax.load(tmp_path / out)
+        assert back.tokenizer.eos_ids == tok.eos_ids, out
+        assert back.config.eos_token_ids == tok.eos_ids, out
+
+
 def test_quantize_records_the_calibration_sha256(tmp_path):
     """A calibrated checkpoint names its calibration text by the sha256 of the shipped file."""
     import hashlib

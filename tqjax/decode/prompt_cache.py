@@ -13,7 +13,9 @@ Every array of a cache is one of three kinds (the rule `tqjax.kv.cache.bytes_per
   come from are saved too (small: [L, KV, hd] each): on another mesh or CPU the calibration
   pass sums in another order and its means differ in their last bits, so a file whose
   calibration is within `CALIBRATION_RTOL` of the target's is accepted when its constants'
-  sha256 is the one its own calibration gives.
+  sha256 is the one its own calibration gives. (A bf16 or f16 model's means differ by
+  ~1e-3 between meshes, as much as calibrating on 99% of the text moves them: its turbo
+  caches load only where their calibration is the same.)
 
 File format: one safetensors file (a single-host blob of a batch-1 row, written atomically).
 safetensors rather than orbax-checkpoint: a prompt cache is one small flat dict of host arrays
@@ -197,7 +199,8 @@ def put_row(cache: KVCache, row: int, one: KVCache) -> KVCache:
 # ---------------------------------------------------------------- saved prompt caches
 
 FORMAT = "tqjax-prompt-cache"
-VERSION = 2  # 2: a bf16 dense store holds its bits (uint16)
+VERSION = 3  # 2: a bf16 dense store holds its bits (uint16); 3: the calibration means are
+# saved, and a GGUF tokenizer's hash covers llama.cpp's whole end-of-generation set
 _MODEL_HASHES: dict[int, tuple[weakref.ref, str]] = {}  # id(params) -> (params, sha256)
 
 
@@ -298,6 +301,12 @@ def _calibration_tensors(calibration: Calibration | None) -> dict[str, np.ndarra
         return {}
     return {_CALIBRATION_PREFIX + f.name: np.asarray(getattr(calibration, f.name), np.float32)
             for f in dataclasses.fields(calibration)}
+
+
+def _calibration_names(calibration: Calibration | None) -> list[str]:
+    """The names `_calibration_tensors` gives a calibration's fields."""
+    return [] if calibration is None else [_CALIBRATION_PREFIX + f.name
+                                           for f in dataclasses.fields(calibration)]
 
 
 def _near_calibration(saved: dict[str, np.ndarray], calibration: Calibration | None
@@ -519,8 +528,8 @@ def load_prompt_cache(path: str | Path, meta: CacheMeta, slots: int
     except (KeyError, ValueError) as e:
         raise TqjaxError(f"prompt cache {path} has unreadable metadata ({e})") from None
     want = meta.record()
-    saved_calibration = {k: tensors.pop(k) for k in list(tensors)
-                         if k.startswith(_CALIBRATION_PREFIX)}
+    saved_calibration = {k: tensors.pop(k) for k in _calibration_names(meta.calibration)
+                         if k in tensors}
     if record.get("calibration_sha256") != want["calibration_sha256"]:
         near = _near_calibration(saved_calibration, meta.calibration)
         if near is not None and record.get("constants_sha256") == _constants_sha256(

@@ -63,6 +63,16 @@ def is_quantized_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / QUANT_FILE).is_file()
 
 
+def with_tokenizer_ends(config: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
+    """The config with the tokenizer's end tokens after its own: a saved checkpoint's tokenizer
+    files are read back with config.json's ids (`tokenizer_from_hf_dir`), so a GGUF model's
+    whole end-of-generation set must be written there."""
+    if tokenizer is None:
+        return config
+    eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
+    return dataclasses.replace(config, eos_token_ids=eos)
+
+
 def file_digest(path: Path) -> tuple[int, str]:
     """(size in bytes, sha256 hex) of a file."""
     return path.stat().st_size, sha256_file(path)
@@ -367,9 +377,7 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
 
     cast = None if dense_dtype is None else resolve_dtype(dense_dtype, "dense dtype")
     tensors, tensor_meta = _to_tensors(params, cast)
-    if tokenizer is not None:
-        eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
-        config = dataclasses.replace(config, eos_token_ids=eos)
+    config = with_tokenizer_ends(config, tokenizer)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -116,7 +116,17 @@ def read_hf_config(path: Path) -> ModelConfig:
     if "architectures" not in raw and "arch" in raw and "num_layers" in raw:  # tqjax's own
         raise TqjaxError(f"{path} holds a tqjax checkpoint's config.json but not its "
                          f"quantization.json or orbax.json (an incomplete checkpoint?)")
-    return config_from_hf(raw)
+    config = config_from_hf(raw)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # HF's generate ends on these (Qwen2.5: <|im_end|> and <|endoftext|>)
+        eos = read_json(gen_file, dict).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TqjaxError(f"{gen_file}: eos_token_id must be an integer or a list of them, "
+                             f"got {eos!r}")
+        config = dataclasses.replace(config, eos_token_ids=tuple(
+            i for i in dict.fromkeys((*config.eos_token_ids, *ids)) if 0 <= i < config.vocab_size))
+    return config
 
 
 SAFETENSORS_DTYPES = ("F32", "F16", "BF16")  # tensor dtypes read (as float32)

@@ -43,6 +43,7 @@ from tqjax.models.checkpoint import (
     config_to_dict,
     list_files,
     verify_files,
+    with_tokenizer_ends,
 )
 from tqjax.models.config import ModelConfig
 from tqjax.models.tokenizer import Tokenizer
@@ -150,6 +151,7 @@ def save_sharded(path: str | Path, params: Params, config: ModelConfig,
     if path.exists() and not (is_orbax_checkpoint(path) or
                               (path.is_dir() and not any(path.iterdir()))):
         raise TqjaxError(f"{path} exists and is not an orbax checkpoint; not overwriting it")
+    config = with_tokenizer_ends(config, tokenizer)
     flat = dict(zip(leaf_names(params), jax.tree.leaves(params), strict=True))
     info = {"format": FORMAT, "format_version": FORMAT_VERSION, "params": _encode(params),
             "meta": meta or {}}
