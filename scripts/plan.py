@@ -48,14 +48,15 @@ def main() -> int:
         if result.context is not None:
             line += f" {r.max_batch:>12,}"
         print(line + f" {_mib(r.peak_bytes):>9}")
+    at = "one token" if result.context is None else f"context {result.context}"
     if not any(r.max_context for r in result.rows):
         smallest = min(result.rows, key=lambda r: r.peak_bytes)
-        print(f"nothing fits in {_mib(result.memory_bytes)} MiB per device: the smallest, "
-              f"{smallest.weights} with a {smallest.kv} cache, needs {_mib(smallest.peak_bytes)} "
-              f"MiB at one token (peak MiB is at one token where max context is 0)")
+        print(f"nothing fits in {_mib(result.memory_bytes)} MiB per device, even at one token: "
+              f"the smallest, {smallest.weights} with a {smallest.kv} cache, needs "
+              f"{_mib(smallest.peak_bytes)} MiB at {at}")
     elif not all(r.max_context for r in result.rows):
-        print("max context 0: the preset does not fit even at one token (peak MiB is its "
-              "peak there)")
+        print(f"max context 0: the preset does not fit even at one token (peak MiB is its "
+              f"peak at {at})")
     return 0
 
 

@@ -263,6 +263,28 @@ def test_perplexity_text_must_be_utf8(tmp_path):
                           str(tmp_path)), "is not a file")
 
 
+def test_a_text_prefix_is_judged_by_its_own_bytes(tmp_path):
+    """`read_text_file(p, chars)` returns the first `chars` characters whether or not a bad
+    byte lies after them (it raised when the bad byte was within the reader's few KiB of
+    read-ahead, and not when it was further: found by review); a bad byte inside them is an
+    error naming its offset in the file."""
+    from tqjax.cli import read_text_file
+    from tqjax.errors import TqjaxError
+
+    p = tmp_path / "t.txt"
+    for gap in (10, 100_000):
+        p.write_bytes(b"x" * gap + b"\xff")
+        assert read_text_file(p, 5) == ("xxxxx", False)
+        with pytest.raises(TqjaxError, match=f"invalid start byte at byte {gap}: "):
+            read_text_file(p)
+    p.write_bytes("é".encode() * 3 + b"\xc3(" + b"y" * 50)
+    assert read_text_file(p, 3) == ("ééé", False)
+    with pytest.raises(TqjaxError, match="invalid continuation byte at byte 6: "):
+        read_text_file(p, 4)
+    p.write_bytes(b"ab\r\ncd")  # (newlines read as Python reads text)
+    assert read_text_file(p) == ("ab\ncd", True)
+
+
 def test_an_empty_model_name_is_not_the_working_directory(tiny_model):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "-m", ""],
                           capture_output=True, text=True, cwd=tiny_model, timeout=300,

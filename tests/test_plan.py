@@ -165,9 +165,17 @@ def test_plan_script_says_when_nothing_fits(tiny):
                            "--memory", f"{budget}B"], capture_output=True, text=True, check=True)
     last = proc.stdout.strip().splitlines()[-1]
     need = min(rows, key=lambda r: r.peak_bytes)
-    assert last.startswith(f"nothing fits in {budget / 2**20:,.0f} MiB per device: the "
-                           f"smallest, {need.weights} with a {need.kv} cache, needs "
-                           f"{need.peak_bytes / 2**20:,.0f} MiB at one token"), last
+    assert last == (f"nothing fits in {budget / 2**20:,.0f} MiB per device, even at one token: "
+                    f"the smallest, {need.weights} with a {need.kv} cache, needs "
+                    f"{need.peak_bytes / 2**20:,.0f} MiB at one token"), last
+    # with --context, a row's peak is at that context (and its largest batch, here 1)
+    rows = planner.plan(tiny, budget, context=64).rows
+    need = min(rows, key=lambda r: r.peak_bytes)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "-m", str(tiny),
+                           "--memory", f"{budget}B", "--context", "64"], capture_output=True,
+                          text=True, check=True)
+    assert proc.stdout.strip().splitlines()[-1].endswith(
+        f"needs {need.peak_bytes / 2**20:,.0f} MiB at context 64"), proc.stdout
 
 
 def test_plan_script_json(tiny):

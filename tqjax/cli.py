@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -157,28 +158,32 @@ def cache_spec(args: argparse.Namespace) -> object:
 def read_text_file(path: Path, chars: int | None = None) -> tuple[str, bool]:
     """Up to `chars` characters (None: all) of the UTF-8 text file at `path`, and whether that
     is the whole file. TqjaxError, one line, for a missing file, a folder, bytes that are not
-    UTF-8 or a NUL character (a binary file: scoring or prompting with it is never meant)."""
+    UTF-8 within what is returned, or a NUL character (a binary file: scoring or prompting with
+    it is never meant)."""
     if not path.is_file():
         raise TqjaxError(f"{path} is not a file" if path.exists() else f"no such text file: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
+    try:  # (bad bytes read as lone surrogates: only those in the returned text count)
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read(-1 if chars is None else chars)
             whole = chars is None or not f.read(1)
-    except UnicodeDecodeError as e:  # replacement characters would be scored as text
-        where = _first_bad_utf8(path)
-        at = "" if where is None else f" at byte {where[0]}: {where[1]!r}"
-        raise TqjaxError(f"{path} is not UTF-8 text ({e.reason}{at})") from None
     except OSError as e:
         raise TqjaxError(f"cannot read {path}: {e.strerror or e}") from None
+    if _SURROGATE.search(text):  # replacement characters would be scored as text
+        where = _first_bad_utf8(path)
+        at = "" if where is None else f"{where[2]} at byte {where[0]}: {where[1]!r}"
+        raise TqjaxError(f"{path} is not UTF-8 text ({at or 'a byte that is not UTF-8'})")
     nul = text.find("\0")
     if nul >= 0:
         raise TqjaxError(f"{path} is not a text file (a NUL character at character {nul})")
     return text, whole
 
 
-def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> tuple[int, bytes] | None:
-    """(file offset, bytes) of the first byte sequence in `path` that is not UTF-8 (the text
-    reader's error counts from its own buffer, not the file's start); None if none is found."""
+_SURROGATE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a bad byte
+
+
+def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> tuple[int, bytes, str] | None:
+    """(file offset, bytes, reason) of the first byte sequence in `path` that is not UTF-8
+    (a text reader's error counts from its own buffer, not the file's start); None if none."""
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
@@ -191,8 +196,7 @@ def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> tuple[int, bytes] | Non
                 try:
                     decoder.decode(data, final=not data)
                 except UnicodeDecodeError as e:
-                    start = offset - pending + e.start
-                    return start, (e.object[e.start:e.end])
+                    return offset - pending + e.start, e.object[e.start:e.end], e.reason
                 if not data:
                     return None
                 offset += len(data)
