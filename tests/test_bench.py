@@ -5,6 +5,7 @@ the sweep's plan and skipping, and the plots. No timing is asserted."""
 import json
 import runpy
 import shutil
+import subprocess
 
 import pytest
 
@@ -184,10 +185,9 @@ def test_sweep_plan_and_skip(tmp_path):
     assert any("--peers hf,llamacpp" in ln for ln in lines)
     assert len(names) == len(set(names))
     # a saved run is skipped only where it was made at this commit, clean, on this CPU
-    from tqjax.commands.bench_sweep import ROOT
     from tqjax.commands.provenance import git_info, machine_info
 
-    git = git_info(ROOT)
+    git = git_info()
     here = {"commit": git["commit"], "dirty": False, "machine": {"cpu": machine_info()["cpu"]}}
     made = [here, here | {"commit": "0" * 40}, here | {"dirty": True},
             here | {"machine": {"cpu": "another CPU"}}, {}]
@@ -323,3 +323,22 @@ def test_bench_serve_reports_a_server_that_completes_nothing(tmp_path):
     assert got["errors"] == ["not a JSON event: 'data: {not json'"]
     assert_user_error(run("bench_serve.py", "--url", url, "--prompt-words", 10**6),
                       "--prompt-words must be <")
+
+
+def test_an_installed_copy_records_no_commit_of_the_repository_around_it(tmp_path):
+    """From a wheel, tqjax lives in site-packages; a venv inside the user's own repository
+    recorded that repository's HEAD as tqjax's commit (found by QA). Only a checkout's own
+    `.git` counts; the version is always recorded."""
+    import tqjax
+    from tqjax.commands.provenance import git_info, source_checkout
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@x",
+                    "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    site = tmp_path / "venv" / "site-packages"
+    site.mkdir(parents=True)
+    assert git_info(site) == {"tqjax": tqjax.__version__, "commit": None, "dirty": None}
+    assert git_info(tmp_path)["commit"] is not None  # (the repository itself is one)
+    here = source_checkout()  # the tests run from the checkout
+    assert here is not None and (here / "tqjax" / "__init__.py").is_file()
+    assert git_info()["commit"] == git_info(here)["commit"]

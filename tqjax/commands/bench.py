@@ -59,7 +59,6 @@ PEERS = ("hf", "llamacpp")
 PEER_MODULES = {"hf": ("torch", "transformers"), "llamacpp": ("llama_cpp",)}
 BANDWIDTH_BYTES = 1 << 30
 BANDWIDTH_REPEATS = 5
-ROOT = Path(__file__).resolve().parents[2]  # the source checkout (its commit is recorded)
 SELF = (sys.executable, "-m", "tqjax.commands.bench")  # this program, for its child processes
 
 
@@ -546,7 +545,7 @@ def run(argv: list[str] | None = None) -> int:
     result = {
         "schema": SCHEMA, "label": args.label,
         "model": Path(path).name.removesuffix(".gguf"), "model_path": path,
-        **git_info(ROOT), "jax": jax.__version__, "machine": machine_info(),
+        **git_info(), "jax": jax.__version__, "machine": machine_info(),
         "backend": args.backend, "device": str(jax.devices()[0]),
         "tp": args.tp, "devices": 1 if mesh is None else mesh.size,
         "dtype": args.dtype, "weights": args.weights or "none", "bpw": args.bpw,

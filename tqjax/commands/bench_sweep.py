@@ -46,12 +46,14 @@ from tqjax.cli import (
     print_json,
     run_main,
 )
+from tqjax.commands.provenance import source_checkout
 
-ROOT = Path(__file__).resolve().parents[2]  # the source checkout (results/ lives there)
 BENCH = (sys.executable, "-m", "tqjax.commands.bench")
 QUANTIZE = (sys.executable, "-m", "tqjax.commands.quantize")
-DEFAULT_OUT = ROOT / "results" / "current" / "bench"
-QUICK_OUT = ROOT / "results" / "current" / "bench-quick"
+# results/ of the checkout tqjax runs from; an installed copy writes under the working directory
+RESULTS = (source_checkout() or Path()) / "results" / "current"
+DEFAULT_OUT = RESULTS / "bench"
+QUICK_OUT = RESULTS / "bench-quick"
 MODELS = ("smollm2-135m-instruct",)
 # SmolLM2-135M has 8192 positions: its longest context leaves room for the decode (no 16k)
 CONTEXTS = {"qwen2.5-coder-0.5b-instruct": (1024, 4096, 8192, 16384, 32704),
@@ -263,7 +265,8 @@ def run(argv: list[str] | None = None) -> int:
                    help="comma-separated model names or paths")
     p.add_argument("--out", default=None,
                    help="output folder (default results/current/bench, or bench-quick with "
-                        "--quick); one subfolder per model")
+                        "--quick, in the tqjax checkout; an installed tqjax: in the working "
+                        "directory); one subfolder per model")
     p.add_argument("--quick", action="store_true", help="a smoke test: small sizes")
     p.add_argument("--force", action="store_true",
                    help="re-run runs already saved at this commit on this CPU")
@@ -301,7 +304,7 @@ def run(argv: list[str] | None = None) -> int:
         print(f"note: {note}", file=sys.stderr)
     from tqjax.commands.provenance import git_info, machine_info
 
-    git = git_info(ROOT)  # a checkout with changes has no saved runs of its own
+    git = git_info()  # a checkout with changes (or none: installed) has no saved runs of its own
     here = {"commit": None if git["dirty"] is not False else git["commit"],
             "cpu": machine_info()["cpu"]}
     todo = [r for r in runs

@@ -8,10 +8,28 @@ import platform
 import subprocess
 from pathlib import Path
 
+SOURCE = Path(__file__).resolve().parents[2]  # the checkout, when tqjax runs from one
 
-def git_info(root: Path) -> dict:
-    """{"commit": HEAD sha or None, "dirty": tracked files modified?} of the checkout at root."""
+
+def source_checkout() -> Path | None:
+    """The git checkout tqjax runs from (its scripts, an editable install), or None for an
+    installed copy (in site-packages, whose enclosing repository, if any, is the user's)."""
+    ok = ((SOURCE / ".git").exists() and (SOURCE / "pyproject.toml").is_file()
+          and (SOURCE / "tqjax" / "__init__.py").is_file())
+    return SOURCE if ok else None
+
+
+def git_info(root: Path | None = None) -> dict:
+    """{"tqjax": its version, "commit": HEAD sha or None, "dirty": tracked files modified?} of
+    the checkout at `root` (default: the one tqjax runs from; commit and dirty are None for
+    an installed copy, or a root that is no checkout)."""
+    import tqjax
+
+    root = source_checkout() if root is None else root
+
     def git(*args: str) -> str | None:
+        if root is None or not (root / ".git").exists():
+            return None
         try:
             out = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
                                  text=True, timeout=30)
@@ -21,7 +39,8 @@ def git_info(root: Path) -> dict:
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    return {"tqjax": tqjax.__version__, "commit": commit,
+            "dirty": bool(status) if status is not None else None}
 
 
 def machine_info() -> dict:

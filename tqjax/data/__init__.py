@@ -5,7 +5,8 @@
   domain; the `miltondata` text as `tqjax.fetch.corpus_text("milton:paradiselost")` returns it).
 - calibration_code.txt: the first 330,000 characters of CPython 3.11's textwrap, heapq, shutil,
   tarfile, ast, difflib and enum modules joined by newlines (PSF licence), none of them in the
-  evaluation text `python-stdlib` (`tqjax.fetch.PYTHON_STDLIB_MODULES`).
+  evaluation text `python-stdlib` (`tqjax.fetch.PYTHON_STDLIB_MODULES`); the licence is
+  LICENSE-PSF.txt here.
 """
 
 from importlib import resources
