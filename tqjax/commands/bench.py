@@ -414,7 +414,8 @@ def run_peer(name: str, model_path: str, prompt_tokens: int, context: int, decod
     if missing and binary and model_path.endswith(".gguf"):
         return peer_llama_bench(binary, model_path, prompt_tokens, decode_tokens, repeats)
     if missing:
-        return {"note": f"not installed: {', '.join(missing)} (pip install -e '.[peers]')"}
+        return {"note": f"not installed: {', '.join(missing)} (pip install 'tqjax[peers]', "
+                        f"or -e '.[peers]' in a checkout)"}
     if name == "llamacpp" and not model_path.endswith(".gguf"):
         return {"note": "llama.cpp needs a .gguf model"}
     if name == "hf" and not (model_path.endswith(".gguf")

@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 from tqjax.cli import ArgumentParser, add_model_args, cache_spec, model_mesh, run_main
+from tqjax.errors import TqjaxError
 
 
 def parse_args(argv: list[str] | None = None) -> object:
@@ -44,11 +45,16 @@ def parse_args(argv: list[str] | None = None) -> object:
 def run(argv: list[str] | None = None) -> int:
     """Serve until interrupted; returns the exit status (user errors raise TqjaxError)."""
     args = parse_args(argv)
-    import uvicorn
+    try:
+        import uvicorn
+
+        from tqjax.serve.server import Server, create_app
+    except ModuleNotFoundError as e:  # (the base install has no web stack)
+        raise TqjaxError(f"tqjax-serve needs the serve extra (no module {e.name!r}): "
+                         f"pip install 'tqjax[serve]'") from None
 
     import tqjax
     from tqjax.serve.engine import Engine
-    from tqjax.serve.server import Server, create_app
 
     spec = cache_spec(args)  # (--backend is resolved by the Engine, once JAX has started)
     if not 0 < args.port < 65536:
