@@ -256,6 +256,28 @@ def test_gguf_blocks_logits_match_the_dequantized_model(tiny_gguf):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def test_params_bits_counts_gguf_blocks_as_quantized_weights(tiny_gguf):
+    """With `weights="gguf"` the blocks are quantized linears: `params_bits` counts their
+    in·out values as parameters and their bytes as quantized bytes, as for our formats (it
+    counted each stored byte as a dense parameter: bpw 8.0, nothing quantized; found by QA)."""
+    from tqjax.quant.accounting import params_bits
+    from tqjax.quant.ggml import GGMLLinear, weight_bytes
+
+    path, _, blocks = tiny_gguf
+    dense = params_bits(tqjax.load(path).params)
+    kept = tqjax.load(path, weights="gguf").params
+    bits = params_bits(kept)
+    linears = [w for w in jax.tree_util.tree_leaves(
+        kept, is_leaf=lambda x: isinstance(x, GGMLLinear)) if isinstance(w, GGMLLinear)]
+    assert linears and bits["params"] == dense["params"]
+    assert bits["quantized_bytes"] == sum(weight_bytes(w) for w in linears)
+    assert bits["quantized_bytes"] == sum(b.nbytes for b in blocks.values())  # the file's blocks
+    assert bits["quantized_params"] == sum(
+        np.prod(w.fields[0].shape[:-3], dtype=int) * w.in_features * w.out_features
+        for w in linears)
+    assert bits["bpw"] < dense["bpw"] / 3
+
+
 def test_a_load_drops_the_programs_it_compiled(tiny_gguf, monkeypatch):
     """The programs a load compiles (the blocks' conversions, the stacking by format) do not
     run again: jax's caches are cleared once the layers are stacked, so none stays resident

@@ -452,6 +452,10 @@ def test_weight_spec_validation():
                 dict(method="tq4", seed=-1), dict(method="tq4", seed=1.5)):  # (-1 failed late)
         with pytest.raises(TqjaxError):
             WeightSpec(**bad)
+    for bpw in ("4", True, float("nan")):  # (a str was a TypeError from the comparison)
+        with pytest.raises(TqjaxError, match="bpw must be a number in"):
+            WeightSpec("mixed", bpw=bpw)
+    assert WeightSpec("mixed", bpw=np.float32(4.25)).bpw == np.float32(4.25)
 
 
 def test_sequential_stages_reproduce_forward(tiny):

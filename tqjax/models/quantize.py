@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from tqjax.errors import TqjaxError, is_int
+from tqjax.errors import TqjaxError, is_int, is_real
 from tqjax.host import drop_programs, host_buffer
 from tqjax.kv.cache import CacheSpec, make_cache
 from tqjax.kv.rope import rope_cos_sin
@@ -111,8 +111,8 @@ class WeightSpec:
                              f"(choose from: {', '.join((*METHODS, MIXED))})")
         if (self.method == MIXED) != (self.bpw is not None):
             raise TqjaxError("a bpw target goes with the mixed method, and mixed needs one")
-        if self.bpw is not None and not 2.0 < self.bpw <= 16.0:
-            raise TqjaxError(f"bpw must be in (2, 16], got {self.bpw}")
+        if self.bpw is not None and not (is_real(self.bpw) and 2.0 < self.bpw <= 16.0):
+            raise TqjaxError(f"bpw must be a number in (2, 16], got {self.bpw!r}")
         if not 0.0 <= self.damp < 1.0:
             raise TqjaxError(f"GPTQ dampening must be in [0, 1), got {self.damp}")
         if not is_int(self.seed) or self.seed < 0:  # (numpy's generators take no negative seed)

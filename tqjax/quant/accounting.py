@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from tqjax.quant.ggml import GGMLLinear
 from tqjax.quant.weights import QuantizedLinear, WeightFormat
 
 
@@ -43,18 +44,19 @@ def shared_bits(formats: Iterable[WeightFormat]) -> int:
 def params_bits(params: Any) -> dict[str, float]:
     """Exact storage of a model's params (`tqjax.models.transformer.Params`).
 
-    Returns bytes, params (weights; quantized linears count in·out, rope frequencies are not
-    parameters but their bytes count) and bpw = 8·bytes/params, overall and for the quantized
-    linears alone (`quantized_*`, shared constants included).
+    Returns bytes, params (weights; quantized linears, ours or GGUF blocks, count in·out,
+    rope frequencies are not parameters but their bytes count) and bpw = 8·bytes/params,
+    overall and for the quantized linears alone (`quantized_*`, shared constants included).
     """
     seen: set[int] = set()
-    is_q = lambda x: isinstance(x, QuantizedLinear)  # noqa: E731
+    is_q = lambda x: isinstance(x, (QuantizedLinear, GGMLLinear))  # noqa: E731
     leaves = jax.tree_util.tree_leaves(params.replace(rope_inv_freq=None), is_leaf=is_q)
     quantized = [leaf for leaf in leaves if is_q(leaf)]
     q_bytes = sum(unique_bytes(w, seen) for w in quantized)
     # a linear stacked over layers (`transformer.LayerStack`) is one matrix per leading index
-    q_params = sum(w.in_features * w.out_features * math.prod(w.packed.shape[:-2])
-                   for w in quantized)
+    q_params = sum(w.in_features * w.out_features * math.prod(
+        w.packed.shape[:-2] if isinstance(w, QuantizedLinear) else w.fields[0].shape[:-3])
+        for w in quantized)
     total_bytes = q_bytes + unique_bytes(params, seen)
     dense_params = sum(leaf.size for leaf in leaves if not is_q(leaf))
     n = q_params + dense_params
