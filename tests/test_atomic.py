@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -260,3 +261,38 @@ def test_an_output_that_is_a_link_is_written_through_it(tmp_path, monkeypatch, e
     file_link.symlink_to(target)  # dangling until written
     atomic.write_json(file_link, {"a": 1})
     assert file_link.is_symlink() and target.read_text().startswith("{")
+
+
+def test_a_full_disk_is_an_oserror_about_the_target(tmp_path, monkeypatch):
+    """safetensors reports a full disk as a SafetensorError ("I/O error: No space left on
+    device (os error 28)": a traceback and exit 1 from --prompt-cache and tqjax-quantize), and
+    a failed write names no file ("error: No space left on device"): both are now the OSError
+    they are, about the target the user named, with nothing left beside it (found by QA)."""
+    import errno
+
+    import numpy as np
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    from tqjax.cli import user_error_text
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    dest = tmp_path / "pc.safetensors"
+    with pytest.raises(OSError) as e:
+        atomic.write_safetensors(dest, {"a": np.zeros(3, np.float32)})
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(dest))
+    assert user_error_text(e.value) == f"No space left on device: {dest}"
+    assert list(tmp_path.iterdir()) == []
+
+    def write_fails(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write_fails)
+    with pytest.raises(OSError) as e:
+        atomic.write_text(tmp_path / "b.json", "{}")
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "b.json"))
+    assert list(tmp_path.iterdir()) == []

@@ -147,13 +147,15 @@ def _make_parents(dest: Path) -> None:
 
 @contextmanager
 def _about(dest: Path) -> Iterator[None]:
-    """An OSError about a temporary sibling of `dest` (".<name>.…") raised as the same error
-    about `dest`, which the user knows; any other error as it is (a missing or unwritable
-    folder keeps its own name)."""
+    """An OSError about a temporary sibling of `dest` (".<name>.…"), or about no file at all
+    (a write that failed), raised as the same error about `dest`, which the user knows; any
+    other error as it is (a missing or unwritable folder keeps its own name)."""
     try:
         yield
     except OSError as e:
         name = Path(e.filename) if isinstance(e.filename, (str, os.PathLike)) else None
+        if name is None and e.strerror:  # (a failed write or close names no file: a full disk)
+            raise OSError(e.errno, e.strerror, str(dest)) from None
         if name is None or name.parent != dest.parent or not name.name.startswith(
                 f".{dest.name}."):
             raise
@@ -176,8 +178,23 @@ def write_safetensors(dest: str | Path, tensors: dict[str, Any],
     from safetensors.numpy import save_file
 
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    with atomic_path(dest) as tmp:
+    with atomic_path(dest) as tmp, safetensors_io(dest):
         save_file(arrays, str(tmp), metadata=metadata)
+
+
+@contextmanager
+def safetensors_io(dest: str | Path) -> Iterator[None]:
+    """safetensors' failed writes (a full disk: `SafetensorError`, "I/O error: No space left
+    on device (os error 28)") raised as the OSError they are, about `dest`."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+        if m is None:
+            raise
+        raise OSError(int(m.group(2)), m.group(1), str(dest)) from None
 
 
 def _fsync_file(path: Path) -> None:

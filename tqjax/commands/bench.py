@@ -578,11 +578,11 @@ def run(argv: list[str] | None = None) -> int:
         if "decode_tok_s" in peer:
             peer["tqjax_decode_ratio"] = round(tq["decode_tok_s"] / peer["decode_tok_s"], 3)
             peer["tqjax_prefill_ratio"] = round(tq["prefill_tok_s"] / peer["prefill_tok_s"], 3)
+    print_json(result)  # (first: a failed write of --out does not lose the run)
     if args.out:
         from tqjax.atomic import write_json
 
         write_json(args.out, result)
-    print_json(result)
     return 0
 
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tqjax.atomic import read_json, replace_dir
+from tqjax.atomic import read_json, replace_dir, safetensors_io
 from tqjax.dtypes import HALF_DTYPES, resolve_dtype
 from tqjax.errors import TqjaxError
 from tqjax.fetch import sha256_file
@@ -390,7 +390,8 @@ def save_quantized(out: Path, params: Params, config: ModelConfig, *, method: di
     }
 
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        with safetensors_io(out / WEIGHTS_FILE):
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_dict(config), indent=1))
         _save_tokenizer(tmp, tokenizer, source)
         files = list_files(tmp)
