@@ -453,3 +453,41 @@ def test_a_signal_while_the_decode_step_compiles_exits_cleanly(sig, code):
     assert proc.wait(60) == code, proc.stderr.read()[-500:]
     assert time.perf_counter() - sent < 3.0  # not after the compile
     assert b"Traceback" not in proc.stderr.read()
+
+
+def test_the_compilation_cache_mends_unreadable_entries_and_skips_a_cache_it_cannot_write(
+        tmp_path, monkeypatch, capsys):
+    """jax writes a compiled program's cache entry in place and never replaces one: an entry
+    cut short warned in two lines at every run and was compiled again every time (found by
+    QA). The warning now removes the entries that do not decompress, in one line; other
+    warnings pass on. A cache folder that cannot be made (TQJAX_CACHE a file, or read-only)
+    leaves the cache off instead of warning at every compile."""
+    import warnings
+
+    import jax
+    from jax._src.compilation_cache import compress_executable
+
+    from tqjax import cli
+
+    folder = tmp_path / "xla"
+    folder.mkdir()
+    good, bad = compress_executable(b"program" * 100), compress_executable(b"other" * 100)
+    (folder / "a-cache").write_bytes(good)
+    (folder / "b-cache").write_bytes(bad[: len(bad) // 2])
+    (folder / "b-atime").write_bytes(b"12345678")
+    passed = []
+    show = cli._cache_warning_hook(folder, lambda *a: passed.append(a[0]))
+    show(UserWarning("Error reading persistent compilation cache entry for 'jit_step': "
+                     "error: Error -3 while decompressing data"), UserWarning, "f.py", 1)
+    assert sorted(p.name for p in folder.iterdir()) == ["a-cache"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: a compiled program in {folder} could not be read; recompiling "
+                   f"(1 unreadable entry removed)"]
+    show(UserWarning("something else"), UserWarning, "f.py", 1)
+    assert [str(w) for w in passed] == ["something else"]
+    before = jax.config.jax_compilation_cache_dir
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("TQJAX_CACHE", str(tmp_path / "afile"))
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # (restored after)
+    cli.enable_compilation_cache()
+    assert jax.config.jax_compilation_cache_dir == before

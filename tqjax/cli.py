@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,8 +206,11 @@ def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> tuple[int, bytes, str] 
 
 
 def enable_compilation_cache() -> None:
-    """Persist compiled XLA programs so a second run skips most compilation
-    (`TQJAX_XLA_CACHE=0` turns it off)."""
+    """Persist compiled XLA programs in `$TQJAX_CACHE/xla` so a second run skips most
+    compilation (`TQJAX_XLA_CACHE=0` turns it off). A folder that cannot be made or written
+    (a shared read-only cache) leaves it off; an unreadable entry (a write cut short: jax
+    writes entries in place and never replaces one) is removed with a one-line warning
+    instead of jax's two-line warning at every run."""
     import jax
 
     if os.environ.get("TQJAX_XLA_CACHE", "1").lower() in ("0", "off", "false", "no"):
@@ -214,8 +218,55 @@ def enable_compilation_cache() -> None:
 
     from tqjax.fetch import cache_dir
 
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    folder = cache_dir() / "xla"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    warnings.showwarning = _cache_warning_hook(folder, warnings.showwarning)
+
+
+_UNREADABLE_ENTRY = "Error reading persistent compilation cache entry"  # (jax's warning)
+
+
+def _cache_warning_hook(folder: Path, previous: Callable[..., None]) -> Callable[..., None]:
+    """`warnings.showwarning` that answers jax's unreadable-cache-entry warning by removing
+    the entries of `folder` that do not decompress (one line on stderr); others go on."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: object = None, line: str | None = None) -> None:
+        if _UNREADABLE_ENTRY not in str(message):
+            previous(message, category, filename, lineno, file, line)
+            return
+        removed = drop_unreadable_entries(folder)
+        print(f"warning: a compiled program in {folder} could not be read; recompiling "
+              f"({removed} unreadable entr{'y' if removed == 1 else 'ies'} removed)",
+              file=sys.stderr)
+
+    return show
+
+
+def drop_unreadable_entries(folder: Path) -> int:
+    """Remove the compilation-cache entries in `folder` that do not decompress; their count."""
+    try:
+        from jax._src.compilation_cache import decompress_executable  # (no public reader)
+    except ImportError:
+        return 0
+    removed = 0
+    for entry in folder.glob("*-cache"):
+        try:
+            decompress_executable(entry.read_bytes())
+        except OSError:
+            continue
+        except Exception:  # noqa: BLE001 (zlib.error, zstd errors: a cut-short entry)
+            entry.unlink(missing_ok=True)
+            entry.with_name(entry.name.removesuffix("-cache") + "-atime").unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status code for a failed allocation
