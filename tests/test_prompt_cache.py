@@ -274,6 +274,18 @@ def test_session_reuses_the_common_prefix(model):
     with pytest.raises(TqjaxError, match="out of range"):
         session.generate(system + [model.config.vocab_size], max_new_tokens=2)
     assert session.generate(system + q2, max_new_tokens=5).token_ids == second.token_ids
+    # a saved file longer than another session's context is refused (it was loaded whole:
+    # the session then held more tokens than its context; found by QA)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        session.save(f"{d}/s.tqkv")
+        n = len(session.tokens)
+        small = Session(model, ctx_size=64)
+        with pytest.raises(TqjaxError, match=f"holds {n} tokens, more than the session's "
+                                             f"context of 64"):
+            small.load(f"{d}/s.tqkv")
+        assert small.tokens == [] and small.generate(q1, max_new_tokens=2).cached_tokens == 0
 
 
 @contextlib.contextmanager

@@ -584,6 +584,11 @@ class Session:
         save_prompt_cache(path, self._kv, self.tokens, self.model.cache_meta(self.spec))
 
     def load(self, path: str | Path) -> None:
-        """Replace the session's cache with a saved prompt cache of this model and format."""
+        """Replace the session's cache with a saved prompt cache of this model and format (no
+        longer than the session's context)."""
         meta = self.model.cache_meta(self.spec)
-        self._kv, self.tokens = load_prompt_cache(path, meta, saved_length(path))
+        n = saved_length(path)
+        if n > self.ctx:
+            raise TqjaxError(f"prompt cache {path} holds {n} tokens, more than the session's "
+                             f"context of {self.ctx}")
+        self._kv, self.tokens = load_prompt_cache(path, meta, n)

@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interactive", "-i", action="store_true",
                    help="a conversation: your messages are read from stdin, a line each, and "
                         "each turn reuses the cache of the turns before it (/reset forgets "
-                        "them; /exit or end of input ends)")
+                        "them; /exit or end of input ends; a turn that no longer fits the "
+                        "context is refused, and /reset starts over)")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=128,
                    help="tokens to generate at most")
