@@ -227,7 +227,8 @@ def enable_compilation_cache() -> None:
         return
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    warnings.showwarning = _cache_warning_hook(folder, warnings.showwarning)
+    if getattr(warnings.showwarning, "tqjax_cache", None) != folder:  # (once per folder)
+        warnings.showwarning = _cache_warning_hook(folder, warnings.showwarning)
 
 
 _UNREADABLE_ENTRY = "Error reading persistent compilation cache entry"  # (jax's warning)
@@ -247,6 +248,7 @@ def _cache_warning_hook(folder: Path, previous: Callable[..., None]) -> Callable
               f"({removed} unreadable entr{'y' if removed == 1 else 'ies'} removed)",
               file=sys.stderr)
 
+    show.tqjax_cache = folder  # type: ignore[attr-defined]
     return show
 
 

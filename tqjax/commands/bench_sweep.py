@@ -46,7 +46,7 @@ from tqjax.cli import (
     print_json,
     run_main,
 )
-from tqjax.commands.provenance import source_checkout
+from tqjax.commands.provenance import git_info, machine_info, source_checkout
 
 BENCH = (sys.executable, "-m", "tqjax.commands.bench")
 QUANTIZE = (sys.executable, "-m", "tqjax.commands.quantize")
@@ -302,8 +302,6 @@ def run(argv: list[str] | None = None) -> int:
     runs = list(dict.fromkeys(dataclasses.replace(r, **overrides) for r in runs))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    from tqjax.commands.provenance import git_info, machine_info
-
     git = git_info()  # a checkout with changes (or none: installed) has no saved runs of its own
     here = {"commit": None if git["dirty"] is not False else git["commit"],
             "cpu": machine_info()["cpu"]}

@@ -295,18 +295,16 @@ CALIBRATION_RTOL = 1e-4  # of each field's largest magnitude: a mesh's or CPU's 
 _CALIBRATION_PREFIX = "calibration."
 
 
+def _calibration_names(calibration: Calibration | None) -> dict[str, str]:
+    """{name in a saved file: Calibration field} (none without a calibration)."""
+    return {} if calibration is None else {_CALIBRATION_PREFIX + f.name: f.name
+                                           for f in dataclasses.fields(calibration)}
+
+
 def _calibration_tensors(calibration: Calibration | None) -> dict[str, np.ndarray]:
-    """The calibration means a saved file carries (none without a calibration)."""
-    if calibration is None:
-        return {}
-    return {_CALIBRATION_PREFIX + f.name: np.asarray(getattr(calibration, f.name), np.float32)
-            for f in dataclasses.fields(calibration)}
-
-
-def _calibration_names(calibration: Calibration | None) -> list[str]:
-    """The names `_calibration_tensors` gives a calibration's fields."""
-    return [] if calibration is None else [_CALIBRATION_PREFIX + f.name
-                                           for f in dataclasses.fields(calibration)]
+    """The calibration means a saved file carries, by `_calibration_names`."""
+    return {name: np.asarray(getattr(calibration, field), np.float32)
+            for name, field in _calibration_names(calibration).items()}
 
 
 def _near_calibration(saved: dict[str, np.ndarray], calibration: Calibration | None
@@ -322,7 +320,7 @@ def _near_calibration(saved: dict[str, np.ndarray], calibration: Calibration | N
                 np.abs(got - want).max(initial=0.0) > CALIBRATION_RTOL * np.abs(want).max(
                     initial=0.0):
             return None
-        fields[name.removeprefix(_CALIBRATION_PREFIX)] = got
+        fields[_calibration_names(calibration)[name]] = got
     return type(calibration)(**fields)
 
 
