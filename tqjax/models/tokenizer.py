@@ -37,6 +37,9 @@ _LLAMA3_MERGING = PreTokenizer(LLAMA3_PATTERN, False, False)
 # groups them (same split regex, same ignore_merges); any other value is an error. One exception:
 # llama.cpp splits "default" (also its choice when the key is missing) with an extra punctuation and
 # 3-digit rule, while HF transformers' GGUF loader, our reference, uses GPT-2's split; we follow HF.
+# "smollm" is the other way round: HF's GGUF loader omits the digit split that SmolLM2's own
+# tokenizer.json (Digits, then ByteLevel) and llama.cpp apply, so whitespace runs before a digit
+# ("a  1") tokenize differently there; we follow the model's own tokenizer and llama.cpp.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0",
                      "mellum", "exaone4", "trillion", "granite-docling"), _GPT2),
@@ -156,6 +159,8 @@ class Tokenizer:
         """Render a conversation with the model's own jinja2 chat template."""
         if not self.chat_template:
             raise TqjaxError("this model has no chat template; drop --chat")
+        if not messages:  # (as HF: templates index messages[0], or render a bare reply)
+            raise TqjaxError("empty conversation: give at least one message")
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
