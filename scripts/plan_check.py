@@ -4,7 +4,7 @@ Check (default): for each case (model, weights, KV, budget) the planner's longes
 that budget is filled by a `scripts/bench.py` subprocess (prompt = context - 6 tokens, 4 timed
 decode steps, one repeat); its peak RSS (VmHWM) must be under the budget and within 10% of the
 prediction. The exact parts are compared too: the planner's parameter bytes against the loaded
-pytree's, its cache bytes against the allocated cache's.
+pytree's, its cache bytes against the allocated cache's. Exit status 1 when a case fails.
 
 Fit (`--fit`): bench.py runs at two prompt lengths on two models (f32 weights and cache); the
 residual peak RSS - params - cache is fitted (least squares) as base + b·chunk·hidden, the
@@ -205,7 +205,7 @@ def main() -> int:
     if args.out:
         write_json(args.out, result)
     print_json(result)
-    return 0
+    return 0 if result.get("all_pass", True) else 1  # (a check that fails is a failed run)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,18 @@ def test_roofline_arithmetic():
     assert bench["mean_live_length"](1000, 1) == 1003
 
 
+def test_tree_bytes_counts_a_shared_buffer_once():
+    """A quantized format's lut is one buffer shared by every linear of the format: bench's
+    param_bytes counted it per linear (6 KB over the planner's exact count for SmolLM2 int8)."""
+    import jax.numpy as jnp
+
+    from tqjax.commands.bench import tree_bytes
+
+    lut, a, b = jnp.zeros(256, jnp.float32), jnp.zeros((4, 8), jnp.uint8), jnp.zeros(3)
+    assert tree_bytes({"a": (a, lut), "b": (b, lut)}) == 32 + 1024 + 12
+    assert tree_bytes([a, jnp.zeros((4, 8), jnp.uint8)]) == 64
+
+
 def test_missing_peer_is_a_note(monkeypatch):
     monkeypatch.setenv("LLAMA_BENCH", "/nonexistent/llama-bench")  # no binary fallback either
     bench = runpy.run_module("tqjax.commands.bench")

@@ -3,6 +3,7 @@ really allocate, the search against a direct computation, one-line errors; one r
 
 import json
 import math
+import runpy
 import subprocess
 import sys
 
@@ -135,7 +136,8 @@ def test_plan_is_the_largest_that_fits(tiny, monkeypatch):
 
 
 def test_plan_bad_inputs_are_one_line(tiny, tmp_path):
-    for kwargs in ({"devices": 0}, {"batch": -1}, {"context": 10**9}):
+    for kwargs in ({"devices": 0}, {"batch": -1}, {"context": 10**9}, {"context": True},
+                   {"batch": True}):
         with pytest.raises(TqjaxError):
             planner.plan(tiny, "1GiB", **kwargs)
     with pytest.raises(TqjaxError, match="cannot read memory size"):
@@ -210,3 +212,22 @@ def test_runtime_constants_follow_the_xla_emitters(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
     assert planner.runtime() is planner.RUNTIME_MLIR_EMITTERS
     assert planner.RUNTIME_MLIR_EMITTERS.base > planner.RUNTIME.base
+
+
+def test_plan_check_fails_its_exit_status_when_a_case_fails(monkeypatch, capsys):
+    """plan_check's verdict was only in its JSON (`all_pass`), the exit status 0 either way."""
+    script = runpy.run_path(str(ROOT / "scripts" / "plan_check.py"), run_name="plan_check")
+    outcome = {"under_budget": True, "within_tolerance": True}
+    script["main"].__globals__["check_case"] = lambda case: dict(outcome, case=case)
+    monkeypatch.setattr(sys, "argv", ["plan_check.py", "--cases", "m:f32:f32:1GiB"])
+    assert script["main"]() == 0
+    assert json.loads(capsys.readouterr().out)["all_pass"] is True
+    outcome["within_tolerance"] = False
+    assert script["main"]() == 1
+    assert json.loads(capsys.readouterr().out)["all_pass"] is False
+
+
+def test_plan_script_shows_a_small_budget_as_it_is(tiny):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "-m", str(tiny),
+                           "--memory", "1.5MiB"], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip().splitlines()[-1].startswith("nothing fits in 1.5 MiB per device")

@@ -333,9 +333,10 @@ def plan(model: str | Path, memory: int | str, *, devices: int = 1, batch: int =
     model name, .gguf file or HF directory."""
     budget = parse_bytes(memory)
     for what, x in (("devices", devices), ("batch", batch)):
-        if not isinstance(x, int) or x < 1:
+        if not isinstance(x, int) or isinstance(x, bool) or x < 1:
             raise TqjaxError(f"{what} must be a positive integer, got {x!r}")
-    if context is not None and (not isinstance(context, int) or context < 1):
+    if context is not None and (not isinstance(context, int) or isinstance(context, bool)
+                                or context < 1):
         raise TqjaxError(f"context must be a positive integer, got {context!r}")
     path = fetch.resolve_path(model)
     config, tensors = _tensor_table(path)

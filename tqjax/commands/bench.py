@@ -126,10 +126,11 @@ def last_line(text: str) -> str:
 # --- the bytes a decode step reads -----------------------------------------------------------
 
 def tree_bytes(tree: object) -> int:
-    """Σ nbytes over a pytree's array leaves."""
+    """Σ nbytes over a pytree's distinct array leaves (a buffer shared by several leaves, such
+    as a quantized format's lut, is resident, and read, once)."""
     import jax
 
-    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
+    return sum({id(x): int(x.nbytes) for x in jax.tree_util.tree_leaves(tree)}.values())
 
 
 def param_read_bytes(params: object, vocab_size: int) -> int:
