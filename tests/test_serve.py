@@ -433,6 +433,29 @@ def test_bodies_json_cannot_hold_are_400_and_null_fields_take_their_defaults(mod
     assert len(texts) > 1, texts
 
 
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 5.0), ("stream", "yes"),
+    ("stream", 1), ("logprobs", True), ("seed", "7"), ("top_k", "3"), ("temperature", "0.5"),
+    ("prompt", [1, True]), ("stream_options", {"include_usage": "yes"})])
+def test_a_value_of_the_wrong_type_is_400_not_converted(field, value):
+    """"5" was read as max_tokens 5, true as 1 and "yes" as stream on (pydantic's lax mode);
+    OpenAI's API refuses them. An integer for a number field stays fine."""
+    from tqjax.serve.server import ApiError, ChatRequest, CompletionRequest, _validate
+
+    body = {"prompt": "ab", "max_tokens": 3, field: value}
+    with pytest.raises(ApiError) as e:
+        _validate(CompletionRequest, json.dumps(body).encode())
+    assert e.value.status == 400 and field in e.value.message, e.value.message
+    ok = _validate(CompletionRequest, b'{"prompt": [1, 2], "temperature": 0, "top_p": 1}')
+    assert (ok.temperature, ok.top_p, ok.prompt) == (0.0, 1.0, [1, 2])
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": 1}
+    with pytest.raises(ApiError, match="logprobs"):
+        _validate(ChatRequest, json.dumps(chat).encode())
+    chat["logprobs"] = True
+    assert _validate(ChatRequest, json.dumps(chat).encode()).messages[0].content[0].text == "hi"
+
+
 def test_logprobs_bytes_and_offsets_follow_the_text_through_split_characters(model, live):
     """A token that holds part of a character: chat's `bytes` are its own bytes (they were the
     bytes of U+FFFD, decoding it alone), and completions' text_offset counts characters of the

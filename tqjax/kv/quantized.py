@@ -260,6 +260,11 @@ def _turbo_rotated(store: TurboStore) -> jax.Array:
     return dequantize_rotated(store.quantizer, codes, store.scale.astype(jnp.float32))
 
 
+# query rows per KV head (G·T) up to which a turbo store scores plane by plane (decode); more
+# rows (prefill) score all planes in one dot
+PLANE_ROWS = 16
+
+
 def _turbo_planes(store: TurboStore) -> list[tuple[np.ndarray, jax.Array]]:
     """The stored vectors in the rotated space (`_turbo_rotated`), as planes: per segment and
     code position j of its whole-byte units (`packing.unpack_planes`), (the rotated channels
@@ -407,7 +412,14 @@ def _(store: TurboStore, q: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     sink slots score q·sink exactly."""
     qb = _aid_query(store, q)
     qr = rotate(qb, store.quantizer.rotation)
-    s = sum(jnp.einsum("bknd,bksd->bkns", qr[..., ch], v) for ch, v in _turbo_planes(store))
+    planes = _turbo_planes(store)
+    if q.shape[2] <= PLANE_ROWS:  # decode: each plane's dot reads its codes in order
+        s = sum(jnp.einsum("bknd,bksd->bkns", qr[..., ch], v) for ch, v in planes)
+    else:  # prefill: one dot over the planes' channels, so one [N, S] score matrix is live
+        # (a plane's each was: 8 for 3-bit codes, ~100 MiB per row of a 512-token chunk)
+        ch = np.concatenate([c for c, _ in planes])
+        s = jnp.einsum("bknd,bksd->bkns", qr[..., ch], jnp.concatenate([v for _, v in planes],
+                                                                         -1))
     if store.qjl is not None:
         s = s + jnp.einsum("bknd,bksd->bkns", qb @ store.qjl.T, _qjl_terms(store))
     return _aid_scores(store, s, q, first)

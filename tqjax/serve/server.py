@@ -81,7 +81,11 @@ def error_response(err: ApiError) -> JSONResponse:
 
 class _NullIsDefault(BaseModel):
     """A request object in which a field given as JSON null takes its default, as OpenAI's
-    API and llama-server read it (the OpenAI client sends null for an explicit None)."""
+    API and llama-server read it (the OpenAI client sends null for an explicit None). Types
+    are strict, as OpenAI's: "5" or true for an integer, "yes" or 1 for a boolean are a 400,
+    not read as 5, 1 and true (an integer is still a number)."""
+
+    model_config = ConfigDict(strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +101,8 @@ class _Common(_NullIsDefault):
     """Fields shared by completions and chat (OpenAI names plus llama-server's top_k, min_p,
     repeat_penalty); unknown fields are ignored as OpenAI clients send many."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # (NaN read as "> 2")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False,  # (NaN read as "> 2")
+                              strict=True)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -125,7 +130,7 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
@@ -135,7 +140,7 @@ class Message(BaseModel):
     "developer" (OpenAI's newer name for system instructions) is read as "system"; the server
     has no tools, so no "tool" role."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
@@ -150,16 +155,18 @@ class ChatRequest(_Common):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     content: str
     add_special: bool = False
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     tokens: list[int]
 
 
 class SlotRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     filename: str | None = None
 
 
