@@ -67,14 +67,21 @@ MIXED_BPW = 4.25
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Measured working set of the runtime beyond params and cache, in bytes:
-    base + per_logit · batch · vocab + per_activation · batch · chunk · hidden, where chunk is
-    the prefill chunk (min(prompt, 512) tokens), + calibrated[weights] · vocab with a turbo
-    cache."""
+    base + per_logit · batch · vocab + per_activation · chunk · hidden
+    + row_activation[kind] · (batch - 1) · chunk · hidden, where chunk is the prefill chunk
+    (min(prompt, 512) tokens) and kind "turbo" or "dense" (the keys' store),
+    + calibrated[weights] · vocab with a turbo cache."""
 
     base: float
     per_logit: float
     per_activation: float
     command: str
+    # each row past the first (the fits run one): the prefill chunk's temporaries per row in
+    # XLA's buffer plan, bytes per (chunk token · hidden unit), by the keys' store; measured by
+    # `python scripts/research/prefill_temps.py` (SmolLM2 and Qwen2.5-Coder-0.5B alike: dense
+    # 45.0-46.0, turbo 141.0-142.1)
+    row_activation: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"dense": 46.0, "turbo": 142.1})
     # turbo caches: their calibration pass and larger decode step, bytes per vocabulary entry
     # by weights preset (a preset not measured takes the largest)
     calibrated: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -267,23 +274,27 @@ def slots_for(context: int) -> int:
 
 
 def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = "f32",
-                  calibrated: bool = False) -> int:
+                  calibrated: bool = False, turbo: bool | None = None) -> int:
     """The measured working set beyond params and cache (`runtime()`), bytes; `calibrated`: a
-    turbo cache's calibration pass runs (its term depends on `weights`)."""
+    turbo cache's calibration pass runs (its term depends on `weights`); `turbo`: the keys'
+    store is a turbo one (default: `calibrated`)."""
     chunk = min(PREFILL_CHUNK, slots_for(context))
     rt = runtime()
     calib = rt.turbo(weights, config.vocab_size) if calibrated else 0.0
+    row = rt.row_activation["turbo" if (calibrated if turbo is None else turbo) else "dense"]
     return round(rt.base + rt.per_logit * batch * config.vocab_size
-                 + rt.per_activation * batch * chunk * config.hidden_size + calib)
+                 + (rt.per_activation + max(row, rt.per_activation) * (batch - 1))
+                 * chunk * config.hidden_size + calib)
 
 
 def predict_peak(params: int, kv: tuple[float, int, int], config: ModelConfig, batch: int,
-                 context: int, weights: str = "f32", calibrated: bool = False) -> int:
+                 context: int, weights: str = "f32", calibrated: bool = False,
+                 turbo: bool | None = None) -> int:
     """Predicted peak bytes per device for `batch` sequences in a cache of `context` tokens."""
     per_token, per_seq, shared = kv
     slots = slots_for(context)
     return round(params + batch * (slots * per_token + per_seq) + shared
-                 + runtime_bytes(config, batch, context, weights, calibrated))
+                 + runtime_bytes(config, batch, context, weights, calibrated, turbo))
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -301,10 +312,11 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int,
          context: int | None) -> PresetPlan:
     """One preset's longest context (and largest batch at `context`) whose predicted peak plus
     `MARGIN` is within `budget`."""
-    calib = CacheSpec(*parse_kv(kv)).needs_calibration
+    spec = CacheSpec(*parse_kv(kv))
+    calib, turbo = spec.needs_calibration, spec.k.startswith("turbo")
 
     def peak(b: int, c: int) -> int:
-        return predict_peak(params, kvb, config, b, c, weights, calib)
+        return predict_peak(params, kvb, config, b, c, weights, calib, turbo)
 
     def fits(b: int, c: int) -> bool:
         return peak(b, c) * (1 + MARGIN) <= budget
@@ -320,7 +332,7 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int,
         max_batch = max(0, _largest(lambda b: fits(b, context), 1, hi * 2))
         top = peak(max(max_batch, 1), context)
     return PresetPlan(weights, kv, params, kvb[0], kvb[1] + kvb[2],
-                      runtime_bytes(config, batch, max(ctx, 1), weights, calib),
+                      runtime_bytes(config, batch, max(ctx, 1), weights, calib, turbo),
                       ctx,
                       max_batch, top)
 
