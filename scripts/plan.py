@@ -14,7 +14,7 @@ from tqjax.cli import ArgumentParser, print_json, run_main
 
 
 def _mib(x: float) -> str:
-    return f"{x / 2**20:,.0f}" if x >= 10 * 2**20 else f"{x / 2**20:.3g}"
+    return f"{x / 2**20:,.0f}" if x >= 10 * 2**20 else f"{x / 2**20:.3f}".rstrip("0").rstrip(".")
 
 
 def main() -> int:

@@ -201,7 +201,10 @@ def main() -> int:
             checks.append(check_case(case))
             print(json.dumps(checks[-1]), file=sys.stderr, flush=True)
         result = {"tolerance": TOLERANCE, "checks": checks,
-                  "all_pass": all(c["under_budget"] and c["within_tolerance"] for c in checks)}
+                  "all_pass": all(c["under_budget"] and c["within_tolerance"]
+                                  and c["planned_param_bytes"] == c["loaded_param_bytes"]
+                                  and c["planned_cache_bytes"] == c["allocated_cache_bytes"]
+                                  for c in checks)}
     if args.out:
         write_json(args.out, result)
     print_json(result)

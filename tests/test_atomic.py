@@ -296,3 +296,36 @@ def test_a_full_disk_is_an_oserror_about_the_target(tmp_path, monkeypatch):
         atomic.write_text(tmp_path / "b.json", "{}")
     assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "b.json"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exclusive_waits_for_the_holder_and_says_so_first(tmp_path):
+    """A second holder waits; `on_wait` runs before the wait (a fetch says it is waiting,
+    instead of hanging silently for a download's minutes), and an error inside the block
+    carries no lock-file error as its context."""
+    import threading
+
+    from tqjax.atomic import exclusive
+
+    lock = tmp_path / "locks" / "m.lock"  # (the folder is made)
+    events: list[str] = []
+    with exclusive(lock) as waited:
+        assert waited is False
+        t = threading.Thread(target=lambda: events.append(
+            "waited" if _enter(lock, events) else "free"))
+        t.start()
+        time.sleep(0.3)
+        assert events == ["on_wait"]
+    t.join(10)
+    assert events == ["on_wait", "waited"]
+    (tmp_path / "f").write_text("a file where the lock's folder would be")
+    with pytest.raises(ValueError) as e, exclusive(tmp_path / "f" / "x.lock") as waited:
+        assert waited is False  # (no lock to be had: the block runs unlocked)
+        raise ValueError("inside")
+    assert e.value.__context__ is None
+
+
+def _enter(lock, events) -> bool:
+    from tqjax.atomic import exclusive
+
+    with exclusive(lock, lambda: events.append("on_wait")) as waited:
+        return waited

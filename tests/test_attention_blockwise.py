@@ -179,8 +179,8 @@ def test_decode_step_updates_the_cache_in_place():
 @pytest.mark.parametrize("name", ["turbo3", "turbo4", "turbo2.5"])
 def test_a_turbo_prefill_keeps_one_score_matrix_per_block(name, monkeypatch):
     """A prefill chunk's scores over a turbo block were summed plane by plane, each plane's
-    [N, S] score matrix live at once (8 for 3-bit codes: SmolLM2's turbo3 prefill took 103 MiB
-    of temporaries per row against 31 for an f32 cache). Now XLA's own buffer plan for the
+    [N, S] score matrix live at once (8 for 3-bit codes: SmolLM2's turbo3 prefill chunk took
+    103 MiB of temporaries at batch 1 against 31 with an f32 cache). Now XLA's buffer plan for the
     chunk's attention stays within 1.4x of the f32 cache's."""
     monkeypatch.setattr(kvc, "BLOCK", 256)
     t, slots = 256, 512

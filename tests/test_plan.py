@@ -219,14 +219,18 @@ def test_runtime_constants_follow_the_xla_emitters(monkeypatch):
 def test_plan_check_fails_its_exit_status_when_a_case_fails(monkeypatch, capsys):
     """plan_check's verdict was only in its JSON (`all_pass`), the exit status 0 either way."""
     script = runpy.run_path(str(ROOT / "scripts" / "plan_check.py"), run_name="plan_check")
-    outcome = {"under_budget": True, "within_tolerance": True}
+    outcome = {"under_budget": True, "within_tolerance": True, "planned_param_bytes": 5,
+               "loaded_param_bytes": 5, "planned_cache_bytes": 7, "allocated_cache_bytes": 7}
     script["main"].__globals__["check_case"] = lambda case: dict(outcome, case=case)
     monkeypatch.setattr(sys, "argv", ["plan_check.py", "--cases", "m:f32:f32:1GiB"])
     assert script["main"]() == 0
     assert json.loads(capsys.readouterr().out)["all_pass"] is True
-    outcome["within_tolerance"] = False
-    assert script["main"]() == 1
-    assert json.loads(capsys.readouterr().out)["all_pass"] is False
+    for key, bad in (("within_tolerance", False), ("under_budget", False),
+                     ("loaded_param_bytes", 6), ("allocated_cache_bytes", 8)):
+        good, outcome[key] = outcome[key], bad
+        assert script["main"]() == 1, key
+        assert json.loads(capsys.readouterr().out)["all_pass"] is False
+        outcome[key] = good
 
 
 def test_plan_script_shows_a_small_budget_as_it_is(tiny):
@@ -246,7 +250,7 @@ def test_the_row_term_is_xlas_prefill_temporaries_per_row(kv, kind):
                            "-m", "smollm2-135m-instruct", "--kv", kv],
                           capture_output=True, text=True, check=True)
     row = json.loads(proc.stdout.strip().splitlines()[-1])["row_bytes_per_token_hidden"]
-    coef = planner.RUNTIME.row_activation[kind]
+    coef = planner.runtime().row_activation[kind]
     assert abs(row / coef - 1) <= 0.02, (row, coef)
     path = fetch.resolve_path("smollm2-135m-instruct")
     config, tensors = planner._tensor_table(path)

@@ -379,17 +379,17 @@ def test_first_tokens_of_a_long_text_are_its_whole_encodings_without_reading_it_
     assert first_tokens(tok, read, 0) == whole and asked[-1] is None
 
 
-@pytest.mark.parametrize("template", [
+@pytest.mark.parametrize("template,rendered", [
     # SmolLM2's shape: a system turn added when messages[0] is not one (renders a bare reply
     # prompt for no messages), and Qwen2.5's: messages[0] read directly (a jinja2 error)
-    "{% if messages[0]['role'] != 'system' %}<s>sys</s>{% endif %}{% for m in messages %}"
-    "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}",
-    "{{ messages[0]['content'] }}"])
-def test_an_empty_conversation_is_refused(template):
+    ("{% if messages[0]['role'] != 'system' %}<s>sys</s>{% endif %}{% for m in messages %}"
+     "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}",
+     "<s>sys</s>hi<a>"),
+    ("{{ messages[0]['content'] }}", "hi")])
+def test_an_empty_conversation_is_refused(template, rendered):
     """HF refuses an empty conversation; templates otherwise render a reply to nothing, or fail
     with a jinja2 message about list indices."""
     tok = tokenizer_from_gguf({**_bpe_meta("gpt-2"), "tokenizer.chat_template": template})
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], True) in ("<s>sys</s>hi<a>",
-                                                                               "hi")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], True) == rendered
     with pytest.raises(TqjaxError, match="^empty conversation"):
         tok.apply_chat_template([])

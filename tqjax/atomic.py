@@ -152,17 +152,24 @@ def temp_dir_beside(dest: str | Path) -> Iterator[Path]:
 
 
 @contextmanager
-def exclusive(lock: str | Path) -> Iterator[bool]:
+def exclusive(lock: str | Path, on_wait: Callable[[], None] | None = None) -> Iterator[bool]:
     """Hold an exclusive advisory lock (`flock`) on the file `lock` (made if missing) for the
-    block, waiting for another process that holds it; yields whether it had to wait. Where
-    locks do not work (or the file cannot be made) the block runs unlocked."""
+    block, waiting for another process that holds it (`on_wait()` is called first, so that
+    the wait can be announced); yields whether it had to wait. Where locks do not work, or
+    the file can be neither made nor read, the block runs unlocked."""
     lock = Path(lock)
+    fd = None
     try:
         import fcntl
 
         _make_parents(lock)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # (another user's lock file: flock works on a read-only one)
+            fd = os.open(lock, os.O_RDONLY)
     except (ImportError, OSError):
+        pass
+    if fd is None:
         yield False
         return
     try:
@@ -171,6 +178,8 @@ def exclusive(lock: str | Path) -> Iterator[bool]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             waited = True
+            if on_wait is not None:
+                on_wait()
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
             pass  # (no locks on this file system)

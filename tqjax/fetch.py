@@ -275,6 +275,14 @@ def _stamp(path: Path) -> list[str]:
     return [str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)]
 
 
+def _read(path: Path) -> str | None:
+    """A small file's text, or None where it cannot be read."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _write_marker(spec: _ModelSpec, path: Path, marker: Path) -> None:
     write_text(marker, f"{spec.sha256}  {path.name}  {' '.join(_stamp(path))}\n")
 
@@ -319,15 +327,16 @@ def fetch_model(name: str, progress: bool = True) -> Path:
     if spec is None:
         raise TqjaxError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}")
     path, marker = _model_paths(name)
+    seen = _read(marker)
     if _is_cached(spec, path, marker):
         return path
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(_lock_file(path.name)) as waited:
-        if waited:
-            _log(progress, f"{name}: waited for another process fetching it")
-            if _is_cached(spec, path, marker):
-                return path
+    with exclusive(_lock_file(path.name),
+                   lambda: _log(progress, f"{name}: waiting for another process fetching it")):
+        # another process may have fetched it meanwhile (its marker is new)
+        if _read(marker) != seen and _is_cached(spec, path, marker):
+            return path
         _download_model(spec, name, path, progress)
         _write_marker(spec, path, marker)
     _log(progress, f"{name}: sha256 ok -> {path}")

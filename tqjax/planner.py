@@ -68,9 +68,9 @@ MIXED_BPW = 4.25
 class Runtime:
     """Measured working set of the runtime beyond params and cache, in bytes:
     base + per_logit · batch · vocab + per_activation · chunk · hidden
-    + row_activation[kind] · (batch - 1) · chunk · hidden, where chunk is the prefill chunk
-    (min(prompt, 512) tokens) and kind "turbo" or "dense" (the keys' store),
-    + calibrated[weights] · vocab with a turbo cache."""
+    + max(row_activation[kind], per_activation) · (batch - 1) · chunk · hidden, where chunk
+    is the prefill chunk (min(prompt, 512) tokens) and kind "turbo" or "dense" (the keys'
+    store), + calibrated[weights] · vocab with a turbo cache."""
 
     base: float
     per_logit: float

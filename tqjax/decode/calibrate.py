@@ -82,7 +82,7 @@ def calibrate(params: Params, config: ModelConfig, ids: list[int]) -> Calibratio
     _layer_statistics.clear_cache()
     # ... and its freed heap given back: the cache and decode buffers that follow are large
     # enough to be mmapped, so they would not reuse it (SmolLM2 turbo4, a 1000-token prompt:
-    # the run's peak 1013-1028 MiB against 1060-1141 without)
+    # the run's peak 1013-1047 MiB against 1060-1141 without)
     trim_heap()
     k, v, s = (np.stack(a) for a in zip(*stats, strict=True))
     return Calibration(k, v, s)
