@@ -122,16 +122,22 @@ def test_roofline_arithmetic():
     assert bench["mean_live_length"](1000, 1) == 1003
 
 
-def test_tree_bytes_counts_a_shared_buffer_once():
+def test_bench_counts_a_shared_buffer_once():
     """A quantized format's lut is one buffer shared by every linear of the format: bench's
-    param_bytes counted it per linear (6 KB over the planner's exact count for SmolLM2 int8)."""
+    param_bytes counted it per linear (6 KB over the planner's exact count for SmolLM2 int8).
+    Bench now counts bytes with `accounting.unique_bytes`, as `params_bits` does."""
+    import inspect
+
     import jax.numpy as jnp
 
-    from tqjax.commands.bench import tree_bytes
+    from tqjax.commands import bench
+    from tqjax.quant.accounting import unique_bytes
 
     lut, a, b = jnp.zeros(256, jnp.float32), jnp.zeros((4, 8), jnp.uint8), jnp.zeros(3)
-    assert tree_bytes({"a": (a, lut), "b": (b, lut)}) == 32 + 1024 + 12
-    assert tree_bytes([a, jnp.zeros((4, 8), jnp.uint8)]) == 64
+    assert unique_bytes({"a": (a, lut), "b": (b, lut)}) == 32 + 1024 + 12
+    assert unique_bytes([a, jnp.zeros((4, 8), jnp.uint8)]) == 64
+    source = inspect.getsource(bench)
+    assert "tree_bytes" not in source and source.count("unique_bytes(") == 4
 
 
 def test_missing_peer_is_a_note(monkeypatch):

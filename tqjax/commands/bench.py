@@ -125,20 +125,14 @@ def last_line(text: str) -> str:
 
 # --- the bytes a decode step reads -----------------------------------------------------------
 
-def tree_bytes(tree: object) -> int:
-    """Σ nbytes over a pytree's distinct array leaves (a buffer shared by several leaves, such
-    as a quantized format's lut, is resident, and read, once)."""
-    import jax
-
-    return sum({id(x): int(x.nbytes) for x in jax.tree_util.tree_leaves(tree)}.values())
-
-
 def param_read_bytes(params: object, vocab_size: int) -> int:
-    """Parameter bytes one decode step reads: every leaf, except that an untied input embedding
-    (lm_head present) is only gathered, so only 1/V of it counts."""
-    total = tree_bytes(params)
+    """Parameter bytes one decode step reads: every leaf (a shared lut once), except that an
+    untied input embedding (lm_head present) is only gathered, so only 1/V of it counts."""
+    from tqjax.quant.accounting import unique_bytes
+
+    total = unique_bytes(params)
     if params.lm_head is not None:
-        embed = tree_bytes(params.embed)
+        embed = unique_bytes(params.embed)
         total -= embed - embed // vocab_size
     return total
 
@@ -187,6 +181,7 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, s
 
     from tqjax.decode.generate import decode_step, new_cache, prefill
     from tqjax.decode.sampling import SamplingParams, row_keys, row_sampling
+    from tqjax.quant.accounting import unique_bytes
 
     cfg = model.config
     rng = np.random.default_rng(0)
@@ -200,7 +195,7 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, s
         return cache
 
     cache = fresh_cache()
-    cache_alloc = tree_bytes(cache)
+    cache_alloc = unique_bytes(cache)
     prefill_times = []
     for i in range(repeats + 1):  # the first compiles
         if i:
@@ -244,7 +239,7 @@ def bench_tqjax(model: object, spec: object, prompt_tokens: int, context: int, s
         "decode_ms_per_token": round(1000 * decode_s, 3),
         "decode_tok_s_runs": [round(decode_tokens / t, 2) for t in run_s],
         "decode_ms_per_step_min": round(1000 * min(step_s), 3),
-        "param_bytes": tree_bytes(model.params),
+        "param_bytes": unique_bytes(model.params),
         "param_read_bytes": params_read,
         "cache_alloc_bytes": cache_alloc,
         "live_length": length,
