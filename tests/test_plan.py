@@ -255,8 +255,19 @@ def test_the_row_term_is_xlas_prefill_temporaries_per_row(kv, kind):
     path = fetch.resolve_path("smollm2-135m-instruct")
     config, tensors = planner._tensor_table(path)
     params, kvb = planner.param_bytes(config, tensors, "f32"), planner.kv_bytes(config, kv)
-    calib = kind == "turbo"
-    one, two = (planner.predict_peak(params, kvb, config, b, 1024, "f32", calib)
+    terms = planner.cache_terms(kv)
+    assert terms == ((True, True) if kind == "turbo" else (False, False))
+    one, two = (planner.predict_peak(params, kvb, config, b, 1024, "f32", *terms)
                 for b in (1, 2))
     assert two - one == pytest.approx(1024 * kvb[0] + kvb[1] + coef * 512 * config.hidden_size,
                                       abs=2)
+
+
+def test_cache_terms_follow_the_keys_store():
+    """The row term goes by the keys' store (a turbo store's prefill scores are what cost), the
+    calibration term by whether any store is centred: dense keys with turbo values calibrate
+    but take the dense row (the old default took the turbo row for them)."""
+    assert planner.cache_terms("f32") == (False, False)
+    assert planner.cache_terms("turbo4") == (True, True)
+    assert planner.cache_terms("f32/turbo3") == (True, False)
+    assert planner.cache_terms("turbo4/q8") == (True, True)

@@ -26,7 +26,8 @@ the device count divides them and replicated otherwise, the params are taken as 
 (an estimate: `tqjax.sharding.device_bytes` counts a loaded sharded model exactly, replicated
 norms and undivided weights included) and every device pays the runtime.
 
-Public API: `parse_bytes`, `plan(...) -> Plan`, `param_bytes`, `kv_bytes`, `predict_peak`.
+Public API: `parse_bytes`, `plan(...) -> Plan`, `param_bytes`, `kv_bytes`, `cache_terms`,
+`predict_peak`.
 """
 
 from __future__ import annotations
@@ -273,15 +274,22 @@ def slots_for(context: int) -> int:
     return padded_length(context, PREFILL_CHUNK if context > PREFILL_CHUNK else PAD_MULTIPLE)
 
 
+def cache_terms(kv: str) -> tuple[bool, bool]:
+    """(calibrated, turbo) of a KV preset "K" or "K/V": whether a calibration pass runs, and
+    whether the keys' store is a turbo one (the runtime terms `runtime_bytes` takes)."""
+    spec = CacheSpec(*parse_kv(kv))
+    return spec.needs_calibration, spec.k.startswith("turbo")
+
+
 def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = "f32",
-                  calibrated: bool = False, turbo: bool | None = None) -> int:
+                  calibrated: bool = False, turbo: bool = False) -> int:
     """The measured working set beyond params and cache (`runtime()`), bytes; `calibrated`: a
     turbo cache's calibration pass runs (its term depends on `weights`); `turbo`: the keys'
-    store is a turbo one (default: `calibrated`)."""
+    store is a turbo one (`cache_terms` gives both)."""
     chunk = min(PREFILL_CHUNK, slots_for(context))
     rt = runtime()
     calib = rt.turbo(weights, config.vocab_size) if calibrated else 0.0
-    row = rt.row_activation["turbo" if (calibrated if turbo is None else turbo) else "dense"]
+    row = rt.row_activation["turbo" if turbo else "dense"]
     return round(rt.base + rt.per_logit * batch * config.vocab_size
                  + (rt.per_activation + max(row, rt.per_activation) * (batch - 1))
                  * chunk * config.hidden_size + calib)
@@ -289,7 +297,7 @@ def runtime_bytes(config: ModelConfig, batch: int, context: int, weights: str = 
 
 def predict_peak(params: int, kv: tuple[float, int, int], config: ModelConfig, batch: int,
                  context: int, weights: str = "f32", calibrated: bool = False,
-                 turbo: bool | None = None) -> int:
+                 turbo: bool = False) -> int:
     """Predicted peak bytes per device for `batch` sequences in a cache of `context` tokens."""
     per_token, per_seq, shared = kv
     slots = slots_for(context)
@@ -312,8 +320,7 @@ def _row(config: ModelConfig, weights: str, kv: str, params: int,
          context: int | None) -> PresetPlan:
     """One preset's longest context (and largest batch at `context`) whose predicted peak plus
     `MARGIN` is within `budget`."""
-    spec = CacheSpec(*parse_kv(kv))
-    calib, turbo = spec.needs_calibration, spec.k.startswith("turbo")
+    calib, turbo = cache_terms(kv)
 
     def peak(b: int, c: int) -> int:
         return predict_peak(params, kvb, config, b, c, weights, calib, turbo)

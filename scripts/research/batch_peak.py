@@ -41,7 +41,6 @@ def main() -> None:
     from tqjax.atomic import write_json
     from tqjax.commands.provenance import git_info, machine_info
     from tqjax.fetch import resolve_path
-    from tqjax.kv.cache import CacheSpec, parse_kv
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=RUNS, help="MODEL:KV pairs")
@@ -57,14 +56,13 @@ def main() -> None:
         config, tensors = planner._tensor_table(resolve_path(model))
         params = planner.param_bytes(config, tensors, "f32")
         kvb = planner.kv_bytes(config, kv)
-        spec = CacheSpec(*parse_kv(kv))
         for b in args.batches:
             out = subprocess.run([sys.executable, "-c", CHILD, model, kv, str(b),
                                   str(args.prompt_tokens)], capture_output=True, text=True,
                                  check=True, env=env)
             peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
             pred = planner.predict_peak(params, kvb, config, b, ctx, "f32",
-                                        spec.needs_calibration, spec.k.startswith("turbo"))
+                                        *planner.cache_terms(kv))
             rows.append({"model": model, "kv": kv, "batch": b,
                          "prompt_tokens": args.prompt_tokens, "context": ctx,
                          "peak_mib": round(peak / 2**20, 1), "planned_mib": round(pred / 2**20, 1),
