@@ -79,13 +79,17 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-class _NullIsDefault(BaseModel):
-    """A request object in which a field given as JSON null takes its default, as OpenAI's
-    API and llama-server read it (the OpenAI client sends null for an explicit None). Types
-    are strict, as OpenAI's: "5" or true for an integer, "yes" or 1 for a boolean are a 400,
-    not read as 5, 1 and true (an integer is still a number)."""
+class _Strict(BaseModel):
+    """A request object whose types are strict, as OpenAI's: "5" or true for an integer,
+    "yes" or 1 for a boolean are a 400, not read as 5, 1 and true (an integer is still a
+    number)."""
 
     model_config = ConfigDict(strict=True)
+
+
+class _NullIsDefault(_Strict):
+    """A request object in which a field given as JSON null takes its default, as OpenAI's
+    API and llama-server read it (the OpenAI client sends null for an explicit None)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -101,8 +105,7 @@ class _Common(_NullIsDefault):
     """Fields shared by completions and chat (OpenAI names plus llama-server's top_k, min_p,
     repeat_penalty); unknown fields are ignored as OpenAI clients send many."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False,  # (NaN read as "> 2")
-                              strict=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # (NaN read as "> 2")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -129,18 +132,18 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ContentPart(_Strict):
+    model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
+class Message(_Strict):
     """One chat message: content is required except for an assistant's (null reads as empty);
     "developer" (OpenAI's newer name for system instructions) is read as "system"; the server
     has no tools, so no "tool" role."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
@@ -154,19 +157,17 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
+class TokenizeRequest(_Strict):
     content: str
     add_special: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
+class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-class SlotRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class SlotRequest(_Strict):
+    model_config = ConfigDict(extra="ignore")
     filename: str | None = None
 
 
