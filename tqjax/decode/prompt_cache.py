@@ -313,14 +313,14 @@ def _near_calibration(saved: dict[str, np.ndarray], calibration: Calibration | N
     (the same model calibrated on another mesh or CPU), else None."""
     if calibration is None or not saved:
         return None
-    fields = {}
+    fields, names = {}, _calibration_names(calibration)
     for name, want in _calibration_tensors(calibration).items():
         got = saved.get(name)
         if got is None or got.shape != want.shape or not np.all(np.isfinite(got)) or \
                 np.abs(got - want).max(initial=0.0) > CALIBRATION_RTOL * np.abs(want).max(
                     initial=0.0):
             return None
-        fields[_calibration_names(calibration)[name]] = got
+        fields[names[name]] = got
     return type(calibration)(**fields)
 
 
